@@ -1,0 +1,88 @@
+"""One error tree for dKV.
+
+::
+
+    DKVError
+     ├── ConfigError              bad configuration or command-line input
+     ├── ProtocolError            a peer sent something the wire protocol forbids
+     │    └── FrameTooLarge       a frame header announced more than the bound
+     ├── RemoteError              the node answered an op with an error reply
+     │    ├── AuthError           handshake refused: token proof or namespace
+     │    ├── LeaseExpired        a read named a lease the node no longer holds
+     │    └── WriteRejected       a commit or write the node refused
+     ├── TransportError           the connection failed or closed
+     │    └── OpTimeout           an await exceeded its bound
+     └── PoolFull                 the arena has no room, even after eviction
+
+``ValueError`` (not a DKVError) is raised for bad arguments at API boundaries,
+such as a hash of the wrong length: that is a programming error of the caller.
+Foreign errors (UCX, OS) are translated at the boundary with ``raise ... from``.
+"""
+
+from __future__ import annotations
+
+
+class DKVError(Exception):
+    """Root of every error dKV raises on purpose."""
+
+
+class ConfigError(DKVError):
+    """Configuration or command-line input that cannot be used."""
+
+
+class ProtocolError(DKVError):
+    """A peer sent a frame or message that the wire protocol forbids."""
+
+
+class FrameTooLarge(ProtocolError):
+    """A frame header announced a body larger than the negotiated bound."""
+
+
+class RemoteError(DKVError):
+    """The node answered with an error reply.
+
+    ``code`` is the machine-readable reason carried on the wire.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class AuthError(RemoteError):
+    """Handshake refused (bad token proof, bad or foreign namespace, version)."""
+
+
+class LeaseExpired(RemoteError):
+    """A read named a lease the node does not hold any more."""
+
+
+class WriteRejected(RemoteError):
+    """The node refused a write or a commit (expired reservation, bad sizes)."""
+
+
+class TransportError(DKVError):
+    """The connection to a peer failed, closed, or could not be made."""
+
+
+class OpTimeout(TransportError):
+    """A network await ran past its bound."""
+
+
+class PoolFull(DKVError):
+    """No slot could be found for a block, even after evicting what may be evicted."""
+
+
+_REMOTE_CODES: dict[str, type[RemoteError]] = {
+    "auth": AuthError,
+    "namespace": AuthError,
+    "version": AuthError,
+    "lease_expired": LeaseExpired,
+    "write_rejected": WriteRejected,
+}
+
+
+def remote_error(code: str, message: str) -> RemoteError:
+    """Build the most specific :class:`RemoteError` for a wire error ``code``."""
+    return _REMOTE_CODES.get(code, RemoteError)(code, message)

@@ -1,0 +1,186 @@
+"""The wire protocol: frame header, msgpack bodies, and validation before allocation.
+
+Every control message travels as two UCX messages on the connection's tag: a
+fixed 16-byte header, then a msgpack body of exactly the announced length.
+The header is checked (magic, protocol version, length bound) before the body
+buffer is allocated, and the body is decoded with msgpack's own length limits,
+then checked field by field against the op's schema. Block bytes never pass
+through msgpack: after a ``read`` reply the node sends each block as its own
+UCX message straight from its arena slot, and after a ``write`` reply the
+client sends each accepted block the same way into the slot the node reserved.
+
+Handshake::
+
+    node   → client   {"t": "challenge", "v": 1, "nonce": <16 bytes>, "node": id}
+    client → node     {"op": "hello", "v": 1, "ns": namespace, "client": id,
+                       "proof": hmac_sha256(token, nonce + ns) | None, "host": host id}
+    node   → client   {"ok": true, "node": id, "epoch": str, "host": host id,
+                       "arena": {"name", "size"} | None, "limits": {...}}
+
+Ops after the handshake (each answered by ``{"ok": true, ...}`` or
+``{"ok": false, "code": str, "msg": str}``): ``lookup``, ``probe``, ``read``,
+``write``, ``commit``, ``abort``, ``touch``, ``release``, ``stats``, ``clear``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import msgpack
+
+from dkv.errors import FrameTooLarge, ProtocolError
+from dkv.keys import HASH_LENGTHS, MAX_LEAF_ID_LENGTH, MAX_TP_SHARDS, check_namespace
+
+PROTOCOL_VERSION = 1
+MAGIC = b"dKV\x01"
+HEADER = struct.Struct("<4sHHII")  # magic, protocol version, flags, body length, reserved
+HEADER_SIZE = HEADER.size
+MAX_FRAME = 8 * 2**20
+MAX_KEYS = 65536
+MAX_LEAVES = 64
+NONCE_SIZE = 16
+
+_UNPACK_LIMITS = dict(
+    max_bin_len=MAX_FRAME,
+    max_str_len=1 << 16,
+    max_array_len=MAX_KEYS,
+    max_map_len=1024,
+    max_ext_len=0,
+)
+
+
+def encode_header(body_length: int) -> bytes:
+    if body_length > MAX_FRAME:
+        raise FrameTooLarge(f"frame of {body_length} bytes exceeds the {MAX_FRAME}-byte bound")
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, 0, body_length, 0)
+
+
+def decode_header(raw: bytes | bytearray | memoryview, max_frame: int = MAX_FRAME) -> int:
+    """Body length announced by a header; :class:`ProtocolError` if the header is not ours."""
+    magic, version, _flags, length, _reserved = HEADER.unpack(bytes(raw))
+    if magic != MAGIC:
+        raise ProtocolError("bad frame magic: not a dKV peer, or a garbled stream")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version} not supported (this side speaks {PROTOCOL_VERSION})")
+    if length > max_frame:
+        raise FrameTooLarge(f"frame of {length} bytes exceeds the {max_frame}-byte bound")
+    return length
+
+
+def encode_body(message: Mapping[str, Any]) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def decode_body(raw: bytes | bytearray | memoryview) -> dict[str, Any]:
+    """Decode a body; :class:`ProtocolError` unless it is a msgpack map with string keys."""
+    try:
+        message = msgpack.unpackb(raw, raw=False, strict_map_key=True, **_UNPACK_LIMITS)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"undecodable message body: {exc}") from exc
+    if not isinstance(message, dict):
+        raise ProtocolError("message body must be a map")
+    return message
+
+
+def token_proof(token: bytes | None, nonce: bytes, namespace: str) -> bytes | None:
+    """HMAC-SHA256 over the node's nonce and the namespace; ``None`` without a token."""
+    if token is None:
+        return None
+    return hmac.new(token, nonce + namespace.encode(), hashlib.sha256).digest()
+
+
+def proof_matches(token: bytes | None, nonce: bytes, namespace: str, proof: object) -> bool:
+    """True when the node needs no token, or ``proof`` is the right HMAC (constant time)."""
+    if token is None:
+        return True
+    expected = token_proof(token, nonce, namespace)
+    return isinstance(proof, bytes) and expected is not None and hmac.compare_digest(expected, proof)
+
+
+# ---- schema checks --------------------------------------------------------------------------
+
+
+def _int(lo: int, hi: int) -> Callable[[object], bool]:
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _hashes(v: object) -> bool:
+    return isinstance(v, list) and len(v) <= MAX_KEYS and all(
+        isinstance(h, bytes) and len(h) in HASH_LENGTHS for h in v
+    )
+
+
+def _leaves(v: object) -> bool:
+    return isinstance(v, list) and 0 < len(v) <= MAX_LEAVES and all(
+        isinstance(x, str) and 0 < len(x) <= MAX_LEAF_ID_LENGTH for x in v
+    )
+
+
+def _keys(v: object) -> bool:
+    return isinstance(v, list) and len(v) <= MAX_KEYS and all(
+        isinstance(k, list)
+        and len(k) == 3
+        and isinstance(k[0], str)
+        and 0 < len(k[0]) <= MAX_LEAF_ID_LENGTH
+        and _int(0, MAX_TP_SHARDS - 1)(k[1])
+        and isinstance(k[2], bytes)
+        and len(k[2]) in HASH_LENGTHS
+        for k in v
+    )
+
+
+def _sizes(v: object) -> bool:
+    return isinstance(v, list) and len(v) <= MAX_KEYS and all(_int(0, 2**40)(x) for x in v)
+
+
+def _namespace(v: object) -> bool:
+    try:
+        check_namespace(v)
+    except ValueError:
+        return False
+    return True
+
+
+_is_bool = lambda v: isinstance(v, bool)  # noqa: E731
+_is_id = _int(0, 2**63)
+_is_shards = _int(1, MAX_TP_SHARDS)
+_optional_bytes = lambda v: v is None or (isinstance(v, bytes) and len(v) <= 64)  # noqa: E731
+_short_str = lambda v: isinstance(v, str) and 0 < len(v) <= 256  # noqa: E731
+
+_PRESENCE = {"hashes": _hashes, "leaves": _leaves, "shards": _is_shards}
+SCHEMAS: dict[str, dict[str, Callable[[object], bool]]] = {
+    "hello": {"v": _int(0, 1 << 16), "ns": _namespace, "client": _short_str, "proof": _optional_bytes,
+              "host": _short_str},
+    "lookup": {**_PRESENCE, "lease": _is_bool, "group": _int(0, 1 << 20)},
+    "probe": _PRESENCE,
+    "touch": _PRESENCE,
+    "read": {"lease": _is_id, "keys": _keys, "end": _is_bool, "shm": _is_bool},
+    "write": {"keys": _keys, "sizes": _sizes, "shm": _is_bool},
+    "commit": {"write": _is_id},
+    "abort": {"write": _is_id},
+    "release": {"lease": _is_id},
+    "stats": {},
+    "clear": {},
+}
+
+
+def check_request(message: dict[str, Any]) -> str:
+    """Validate a request against its op's schema; returns the op. :class:`ProtocolError` otherwise."""
+    op = message.get("op")
+    schema = SCHEMAS.get(op) if isinstance(op, str) else None
+    if schema is None:
+        raise ProtocolError(f"unknown op {op!r}")
+    for name, valid in schema.items():
+        if name not in message:
+            raise ProtocolError(f"{op}: missing field {name!r}")
+        if not valid(message[name]):
+            raise ProtocolError(f"{op}: field {name!r} is malformed or out of bounds")
+    return op
+
+
+def error_reply(code: str, message: str) -> dict[str, Any]:
+    return {"ok": False, "code": code, "msg": message}
