@@ -51,6 +51,7 @@ def serve(
     node_id: Annotated[Optional[str], typer.Option(help="Node id (default: a random one).")] = None,
     namespace: Annotated[Optional[list[str]], typer.Option(help="Serve only these namespaces (repeatable; default: any).")] = None,
     lease_ttl: Annotated[float, typer.Option(help="Seconds a lookup's lease pins its blocks.")] = 10.0,
+    max_leases: Annotated[int, typer.Option(help="Leases one client may hold; one more ends its oldest.")] = 64,
     ready_file: Annotated[Optional[Path], typer.Option(help="Write a JSON line with the bound address here once serving.")] = None,
     log_level: Annotated[str, typer.Option(help="Logging level.")] = "INFO",
 ) -> None:
@@ -69,6 +70,7 @@ def serve(
             disk_dir=str(disk) if disk else None,
             disk_size=parse_size(disk_size),
             lease_ttl=lease_ttl,
+            max_leases_per_client=max_leases,
             **({"node_id": node_id} if node_id else {}),
         )
         asyncio.run(_serve(config, ready_file))

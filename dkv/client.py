@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
 
 from dkv.arena import ArenaInfo, ArenaMapping, open_mapping
-from dkv.errors import AuthError, ProtocolError, TransportError, remote_error
+from dkv.errors import AuthError, ProtocolError, RemoteError, TransportError, remote_error
 from dkv.hostid import host_id
 from dkv.keys import BlockKey, check_hashes, check_leaf, check_namespace, check_shard
 from dkv.store import WRITE
@@ -168,7 +168,14 @@ class NodeClient:
             session = self._idle.pop() if self._idle else None
             if session is None or session.conn.closed:
                 session = await self._open_session()
-            result = await fn(session)
+            try:
+                result = await fn(session)
+            except RemoteError:
+                # an error reply leaves the stream in step: keep the connection (and the leases)
+                if not session.conn.closed:
+                    self._idle.append(session)
+                session = None
+                raise
             if not session.conn.closed:
                 self._idle.append(session)
             session = None

@@ -34,6 +34,12 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = 10.0
 CONNECT_TIMEOUT = 5.0
 _initialised = False
+_live: set[Connection] = set()
+
+
+def open_connections() -> int:
+    """How many connections of this process are open (a leak check reads this)."""
+    return len(_live)
 
 
 def init_transport(progress_mode: str | None = None) -> None:
@@ -65,6 +71,7 @@ class Connection:
         self.max_frame = max_frame
         self._header = bytearray(HEADER_SIZE)
         self._closed = False
+        _live.add(self)
 
     @property
     def closed(self) -> bool:
@@ -98,25 +105,18 @@ class Connection:
     async def recv_message(self, timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
         """Receive one framed message; the header is validated before the body is allocated.
 
-        Raises :class:`dkv.errors.ProtocolError` (and closes the connection) on a
-        bad header or body.
+        Raises :class:`dkv.errors.ProtocolError` on a bad header or body; the
+        stream is then out of step, so the caller answers if it wants and must
+        :meth:`abort`.
         """
         if self.closed:
             raise TransportError(f"connection to {self.peer} is closed")
         await self._bounded(self._ep.recv(self._header), timeout, "receive")
-        try:
-            length = decode_header(self._header, self.max_frame)
-        except Exception:
-            self.abort()
-            raise
+        length = decode_header(self._header, self.max_frame)
         body = bytearray(length)
         if length:
             await self._bounded(self._ep.recv(body), timeout, "receive")
-        try:
-            return decode_body(body)
-        except Exception:
-            self.abort()
-            raise
+        return decode_body(body)
 
     async def send_payloads(self, buffers: Sequence[Any], timeout: float = DEFAULT_TIMEOUT) -> None:
         """Send each non-empty buffer as its own UCX message, all posted at once."""
@@ -139,6 +139,7 @@ class Connection:
         if self._closed:
             return
         self._closed = True
+        _live.discard(self)
         ep, self._ep = self._ep, None
         if ep is not None:
             try:
@@ -152,6 +153,7 @@ class Connection:
             return
         ep = self._ep
         self._closed = True
+        _live.discard(self)
         self._ep = None
         try:
             await asyncio.wait_for(ep.close(), CONNECT_TIMEOUT)

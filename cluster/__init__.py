@@ -1,0 +1,1 @@
+"""Process orchestration for dKV: node processes, etcd, local clusters."""

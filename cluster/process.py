@@ -1,0 +1,109 @@
+"""Start and stop ``dkv serve`` processes, found by PID and stopped by PID.
+
+A :class:`NodeProcess` is a real node in its own process. It is ready when it
+has written its ready file (bound address, PID, shm name); it is stopped with
+SIGTERM (graceful: the node unlinks its arena) and, if it does not exit within
+a bound, SIGKILL, after which whatever it left under ``/dev/shm`` is removed
+by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+READY_TIMEOUT = 30.0
+STOP_TIMEOUT = 10.0
+
+
+class NodeStartError(RuntimeError):
+    """The node process exited or did not become ready in time; carries its log tail."""
+
+
+@dataclass
+class NodeProcess:
+    """A running ``dkv serve`` process."""
+
+    proc: subprocess.Popen[bytes]
+    workdir: Path
+    log_path: Path
+    ready: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def address(self) -> str:
+        return str(self.ready["address"])
+
+    @property
+    def shm_name(self) -> str:
+        return str(self.ready["shm"])
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL now (a crash, as a test wants it); the arena file stays until :meth:`stop`."""
+        if self.alive():
+            self.proc.kill()
+            self.proc.wait(STOP_TIMEOUT)
+
+    def stop(self, timeout: float = STOP_TIMEOUT) -> int | None:
+        """SIGTERM, wait, SIGKILL if needed; then remove anything left in /dev/shm. Returns the exit code."""
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(STOP_TIMEOUT)
+        if self.ready.get("shm"):
+            Path("/dev/shm", str(self.ready["shm"])).unlink(missing_ok=True)
+        return self.proc.returncode
+
+
+def start_node(
+    *args: str,
+    pool: str = "64MiB",
+    listen: str = "127.0.0.1:0",
+    workdir: Path | None = None,
+    env: dict[str, str] | None = None,
+    ready_timeout: float = READY_TIMEOUT,
+) -> NodeProcess:
+    """Start ``dkv serve`` with the given extra arguments and wait until it serves."""
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="dkv-node-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    ready_file = workdir / "ready.json"
+    ready_file.unlink(missing_ok=True)
+    log_path = workdir / "node.log"
+    cmd = [sys.executable, "-m", "dkv.cli", "serve", "--listen", listen, "--pool", pool,
+           "--ready-file", str(ready_file), *args]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **(env or {})})
+    node = NodeProcess(proc, workdir, log_path)
+    deadline = time.monotonic() + ready_timeout
+    while time.monotonic() < deadline:
+        if ready_file.exists():
+            node.ready = json.loads(ready_file.read_text())
+            return node
+        if not node.alive():
+            raise NodeStartError(f"dkv serve exited with {proc.returncode}:\n{node.log_tail()}")
+        time.sleep(0.05)
+    node.stop()
+    raise NodeStartError(f"dkv serve not ready after {ready_timeout}s:\n{node.log_tail()}")

@@ -1,0 +1,567 @@
+#!/usr/bin/env python
+"""Benchmark one real dKV node: PUT and READ throughput over both client paths, against baselines.
+
+Usage::
+
+    python scripts/bench_node.py [--sizes 64KiB,256KiB,1MiB,2MiB] [--blocks 256] [--repeat 3]
+                                 [--warmup 1] [--json out.json]
+
+For each block size this measures, in one run and on one machine:
+
+* ``memcpy``   - aligned memcpy baseline: ``np.copyto`` of ``blocks`` blocks between two
+                 page-aligned buffers (the ceiling of the same-host path).
+* ``raw ucxx`` - raw UCX baseline over the listener path, with no dKV protocol, between this
+                 process and a child process (this script in its hidden ``--raw-server`` mode),
+                 both using :mod:`dkv.transport` (so the UCX progress mode matches the node's):
+                 ``put`` = client -> server, timed from posting all sends to the server's
+                 framed ack; ``read`` = server -> client, timed from sending a tiny framed
+                 request to the last payload received.
+* ``local``    - :class:`dkv.client.NodeClient` with ``local=True`` (same-host shared memory).
+* ``listener`` - :class:`dkv.client.NodeClient` with ``local=False`` (bytes as UCX messages).
+
+``put`` is one ``write()`` of all blocks under fresh random 32-byte hashes (the namespace is
+cleared, untimed, before each one so nothing is "exists" and nothing is evicted); ``read``
+is a leased ``lookup()`` followed by ``read()`` of all blocks into preallocated page-aligned
+numpy buffers (both inside the timed interval). Every read (dKV and raw) is checked
+bit-exact against what was written; a mismatch makes the script exit with status 1.
+
+Throughput is GB/s (10**9 bytes/s) of block payload; best and median of ``--repeat`` runs
+(after ``--warmup`` untimed runs). Goals: same-host read >= 50% of aligned memcpy;
+listener read and put >= 80% of raw ucxx.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import platform
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `cluster` lives at the repository root
+    sys.path.insert(0, str(ROOT))
+
+from dkv.errors import DKVError, ProtocolError, TransportError  # noqa: E402
+from dkv.transport import Connection, Listener, connect, init_transport, stop_progress  # noqa: E402
+from dkv.units import format_size, parse_size  # noqa: E402
+
+PAGE = 4096
+DEFAULT_SIZES = "64KiB,256KiB,1MiB,2MiB"
+NAMESPACE = "bench"
+LEAF = "L0"
+OP_TIMEOUT = 60.0  # per client op / raw exchange; generous for 512 MiB on a slow path
+CHILD_READY_TIMEOUT = 30.0
+CHILD_STOP_TIMEOUT = 5.0
+RAW_IDLE_TIMEOUT = 600.0
+GOAL_LOCAL_READ_VS_MEMCPY = 0.5
+GOAL_LISTENER_VS_RAW = 0.8
+PROGRESS_MODE = os.environ.get("DKV_UCX_PROGRESS", "blocking")
+
+
+class BenchError(RuntimeError):
+    """Something the benchmark cannot measure around (the node refused a write, a miss...)."""
+
+
+# ---- buffers ------------------------------------------------------------------------------------
+
+
+def _align_up(n: int, alignment: int = PAGE) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+class Blocks:
+    """``count`` blocks of ``size`` bytes, each starting on a page boundary of one numpy buffer."""
+
+    def __init__(self, count: int, size: int) -> None:
+        self.count, self.size = count, size
+        self.stride = _align_up(size)
+        total = count * self.stride
+        raw = np.empty(total + PAGE, dtype=np.uint8)  # over-allocate, then slice to an aligned start
+        start = (-raw.ctypes.data) % PAGE
+        self.buf = raw[start : start + total]
+        assert self.buf.ctypes.data % PAGE == 0
+        self.blocks = [self.buf[i * self.stride : i * self.stride + size] for i in range(count)]
+        self.buf.fill(0)  # fault every page in now, outside any timed interval
+
+    def fill_random(self, seed: int) -> None:
+        words = np.random.default_rng(seed).bit_generator.random_raw(self.buf.nbytes // 8)
+        self.buf.view(np.uint64)[:] = words
+
+    def grid(self) -> np.ndarray:
+        """The blocks as rows (padding excluded), viewed as wide words when the size allows."""
+        rows = self.buf.reshape(self.count, self.stride)
+        if self.size % 8 == 0:
+            return rows.view(np.uint64)[:, : self.size // 8]
+        return rows[:, : self.size]
+
+    def equals(self, other: Blocks) -> bool:
+        return (self.count, self.size) == (other.count, other.size) and bool(np.array_equal(self.grid(), other.grid()))
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.size
+
+
+def _rates(samples: Sequence[float], nbytes: int) -> dict[str, Any]:
+    rates = [nbytes / 1e9 / s for s in samples]
+    return {"best": max(rates), "median": statistics.median(rates), "runs": rates,
+            "best_s": min(samples)}
+
+
+# ---- raw ucxx server (child process) ------------------------------------------------------------
+
+
+async def _raw_server(portfile: Path) -> None:
+    """Serve raw payload exchanges until SIGTERM/SIGINT or until the parent process goes away.
+
+    Per connection, requests are framed messages ``{"op": "c2s"|"s2c", "n": N, "size": S}``:
+    ``c2s`` answers ``ready``, receives N messages of S bytes into preallocated buffers
+    (all recvs posted at once) and answers a framed ack; ``s2c`` sends those same buffers back.
+    """
+    init_transport()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    parent = os.getppid()
+    buffers: dict[tuple[int, int], Blocks] = {}
+    handlers: set[asyncio.Task[Any]] = set()
+    conns: set[Connection] = set()
+
+    def blocks_for(n: int, size: int) -> Blocks:
+        if (n, size) not in buffers:
+            buffers.clear()  # hold one size at a time
+            buffers[(n, size)] = Blocks(n, size)
+        return buffers[(n, size)]
+
+    async def handle(conn: Connection) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            handlers.add(task)
+        conns.add(conn)
+        try:
+            while not conn.closed:
+                req = await conn.recv_message(RAW_IDLE_TIMEOUT)
+                op, n, size = req.get("op"), int(req.get("n", 0)), int(req.get("size", 0))
+                if op == "bye":
+                    break
+                if op not in ("c2s", "s2c") or not 0 < n <= 1 << 16 or not 0 < size <= 1 << 30:
+                    raise ProtocolError(f"bad raw request {req!r:.200}")
+                blocks = blocks_for(n, size)
+                views = [memoryview(b) for b in blocks.blocks]
+                if op == "c2s":
+                    await conn.send_message({"ok": True, "t": "ready"}, OP_TIMEOUT)
+                    await conn.recv_payloads(views, OP_TIMEOUT)
+                    await conn.send_message({"ok": True, "t": "ack", "n": n}, OP_TIMEOUT)
+                else:
+                    await conn.send_payloads(views, OP_TIMEOUT)
+        except (DKVError, asyncio.CancelledError):
+            pass
+        finally:
+            conn.abort()
+            conns.discard(conn)
+            if task is not None:
+                handlers.discard(task)
+
+    listener = Listener(handle, 0)
+    try:
+        tmp = portfile.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"port": listener.port, "pid": os.getpid()}))
+        tmp.replace(portfile)
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), 1.0)
+            except asyncio.TimeoutError:
+                if os.getppid() != parent:  # orphaned: never outlive the benchmark
+                    break
+    finally:
+        listener.close()
+        for conn in list(conns):
+            conn.abort()
+        for task in list(handlers):
+            task.cancel()
+        if handlers:
+            await asyncio.wait(list(handlers), timeout=5.0)
+        await stop_progress()
+
+
+class RawChild:
+    """The ``--raw-server`` child process, killed by PID on :meth:`stop`."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.portfile = workdir / "raw-server.json"
+        self.log_path = workdir / "raw-server.log"
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve()), "--raw-server", str(self.portfile)],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            )
+        deadline = time.monotonic() + CHILD_READY_TIMEOUT
+        while not self.portfile.exists():
+            if self.proc.poll() is not None:
+                raise BenchError(f"raw server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise BenchError(f"raw server not ready after {CHILD_READY_TIMEOUT}s:\n{self.log_tail()}")
+            time.sleep(0.05)
+        self.port = int(json.loads(self.portfile.read_text())["port"])
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(CHILD_STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(CHILD_STOP_TIMEOUT)
+
+
+async def _raw_put(conn: Connection, src: Blocks) -> float:
+    """Client -> server: seconds from posting all sends to the server's ack."""
+    await conn.send_message({"op": "c2s", "n": src.count, "size": src.size}, OP_TIMEOUT)
+    ready = await conn.recv_message(OP_TIMEOUT)
+    if ready.get("t") != "ready":
+        raise BenchError(f"raw server did not get ready: {ready!r:.200}")
+    views = [memoryview(b) for b in src.blocks]
+    t0 = time.perf_counter()
+    await conn.send_payloads(views, OP_TIMEOUT)
+    ack = await conn.recv_message(OP_TIMEOUT)
+    elapsed = time.perf_counter() - t0
+    if ack.get("t") != "ack" or ack.get("n") != src.count:
+        raise BenchError(f"raw server sent a bad ack: {ack!r:.200}")
+    return elapsed
+
+
+async def _raw_read(conn: Connection, dst: Blocks) -> float:
+    """Server -> client: seconds from sending the request to the last payload received."""
+    views = [memoryview(b) for b in dst.blocks]
+    t0 = time.perf_counter()
+    await conn.send_message({"op": "s2c", "n": dst.count, "size": dst.size}, OP_TIMEOUT)
+    await conn.recv_payloads(views, OP_TIMEOUT)
+    return time.perf_counter() - t0
+
+
+# ---- measurements -------------------------------------------------------------------------------
+
+
+def bench_memcpy(src: Blocks, dst: Blocks, runs: int, warmup: int) -> list[float]:
+    samples = []
+    pairs = list(zip(src.blocks, dst.blocks))
+    for i in range(warmup + runs):
+        t0 = time.perf_counter()
+        for s, d in pairs:
+            np.copyto(d, s)
+        elapsed = time.perf_counter() - t0
+        if i >= warmup:
+            samples.append(elapsed)
+    return samples
+
+
+async def bench_raw(conn: Connection, src: Blocks, dst: Blocks, runs: int,
+                    warmup: int) -> tuple[list[float], list[float], bool]:
+    """Raw put then raw read per iteration (the read sends back what the put delivered)."""
+    put, read, verified = [], [], True
+    for i in range(warmup + runs):
+        put_s = await _raw_put(conn, src)
+        dst.buf.fill(0)
+        read_s = await _raw_read(conn, dst)
+        verified = verified and src.equals(dst)
+        if i >= warmup:
+            put.append(put_s)
+            read.append(read_s)
+    return put, read, verified
+
+
+async def bench_path(client: Any, src: Blocks, dst: Blocks, runs: int,
+                     warmup: int) -> tuple[list[float], list[float], bool]:
+    """dKV put then read per iteration, fresh random 32-byte hashes each time."""
+    from dkv.keys import BlockKey
+
+    put, read, verified = [], [], True
+    for i in range(warmup + runs):
+        hashes = [secrets.token_bytes(32) for _ in range(src.count)]
+        keys = [BlockKey(LEAF, 0, h) for h in hashes]
+        await client.clear()  # untimed: room for this put without evicting inside it
+
+        t0 = time.perf_counter()
+        result = await client.write(keys, src.blocks)
+        put_s = time.perf_counter() - t0
+        if result.stored != src.count:
+            raise BenchError(f"write stored {result.stored}/{src.count}: {collections.Counter(result.statuses)}")
+
+        dst.buf.fill(0)
+        t0 = time.perf_counter()
+        found = await client.lookup(hashes, [LEAF], 1, lease=True)
+        if not all(found.masks.get(LEAF, [])) or found.lease_id is None:
+            raise BenchError(f"lookup found {sum(found.masks.get(LEAF, []))}/{src.count} blocks just written")
+        await client.read(found.lease_id, keys, dst.blocks)
+        read_s = time.perf_counter() - t0
+
+        verified = verified and src.equals(dst)
+        if i >= warmup:
+            put.append(put_s)
+            read.append(read_s)
+    return put, read, verified
+
+
+async def run_all(address: str, raw_port: int, sizes: list[int], blocks: int, runs: int, warmup: int,
+                  log: Callable[[str], None]) -> list[dict[str, Any]]:
+    from dkv.client import NodeClient
+
+    init_transport()
+    results: list[dict[str, Any]] = []
+    clients = {
+        "local": NodeClient(address, NAMESPACE, local=True, timeout=OP_TIMEOUT, pool_size=1, retries=1),
+        "listener": NodeClient(address, NAMESPACE, local=False, timeout=OP_TIMEOUT, pool_size=1, retries=1),
+    }
+    raw: Connection | None = None
+    try:
+        for name, client in clients.items():
+            await client.connect()
+            if client.uses_shared_memory != (name == "local"):
+                raise BenchError(f"the {name} client did not get the {name} path")
+        raw = await connect("127.0.0.1", raw_port)
+        for size in sizes:
+            src, dst = Blocks(blocks, size), Blocks(blocks, size)
+            src.fill_random(seed=size)
+            nbytes = src.nbytes
+            entry: dict[str, Any] = {"size": size, "size_label": format_size(size), "blocks": blocks,
+                                     "bytes_per_op": nbytes}
+            log(f"{format_size(size)} x {blocks}: memcpy")
+            entry["memcpy"] = {"copy": _rates(bench_memcpy(src, dst, runs, warmup), nbytes)}
+            log(f"{format_size(size)} x {blocks}: raw ucxx")
+            put, read, ok = await bench_raw(raw, src, dst, runs, warmup)
+            entry["raw_ucxx"] = {"put": _rates(put, nbytes), "read": _rates(read, nbytes), "verified": ok}
+            for name, client in clients.items():
+                log(f"{format_size(size)} x {blocks}: dKV {name}")
+                put, read, ok = await bench_path(client, src, dst, runs, warmup)
+                entry[name] = {"put": _rates(put, nbytes), "read": _rates(read, nbytes), "verified": ok}
+            await clients["local"].clear()
+            entry["ratios"] = _ratios(entry)
+            results.append(entry)
+            del src, dst
+        await raw.send_message({"op": "bye"}, OP_TIMEOUT)
+    finally:
+        if raw is not None:
+            await raw.close()
+        for client in clients.values():
+            await client.close()
+        await stop_progress()
+    return results
+
+
+def _ratios(entry: dict[str, Any]) -> dict[str, float]:
+    best = lambda path, op: entry[path][op]["best"]  # noqa: E731
+    return {
+        "local_read_vs_memcpy": best("local", "read") / best("memcpy", "copy"),
+        "local_put_vs_memcpy": best("local", "put") / best("memcpy", "copy"),
+        "listener_read_vs_raw_ucxx": best("listener", "read") / best("raw_ucxx", "read"),
+        "listener_put_vs_raw_ucxx": best("listener", "put") / best("raw_ucxx", "put"),
+    }
+
+
+def _goals(entry: dict[str, Any]) -> dict[str, bool]:
+    r = entry["ratios"]
+    return {
+        "local_read_vs_memcpy": r["local_read_vs_memcpy"] >= GOAL_LOCAL_READ_VS_MEMCPY,
+        "listener_read_vs_raw_ucxx": r["listener_read_vs_raw_ucxx"] >= GOAL_LISTENER_VS_RAW,
+        "listener_put_vs_raw_ucxx": r["listener_put_vs_raw_ucxx"] >= GOAL_LISTENER_VS_RAW,
+    }
+
+
+# ---- report -------------------------------------------------------------------------------------
+
+
+def machine_info() -> dict[str, Any]:
+    import ucxx
+
+    info: dict[str, Any] = {
+        "nproc": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "python": platform.python_version(),
+        "implementation": platform.python_implementation(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "numpy": np.__version__,
+        "ucxx": getattr(ucxx, "__version__", "?"),
+        "ucx_progress_mode": PROGRESS_MODE,
+        "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
+        "loadavg_end": list(os.getloadavg()),
+    }
+    try:
+        with open("/proc/meminfo") as f:
+            info["mem_total_kib"] = int(f.readline().split()[1])
+        with open("/proc/cpuinfo") as f:
+            info["cpu_model"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
+    except (OSError, ValueError, IndexError):
+        pass
+    return info
+
+
+def print_report(results: list[dict[str, Any]], runs: int, warmup: int, blocks: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if console.width < 170:
+        console = Console(width=170)
+
+    def ratio_cell(value: float, goal: float | None) -> str:
+        text = f"{value:.0%}"
+        if goal is None:
+            return text
+        return f"[green]{text}[/]" if value >= goal else f"[red]{text}[/]"
+
+    for stat in ("best", "median"):
+        table = Table(title=f"dKV node throughput, GB/s ({stat} of {runs} runs after {warmup} warm-up; "
+                            f"{blocks} blocks per op)")
+        for col in ("block", "memcpy", "raw ucxx put\n(c→s)", "raw ucxx read\n(s→c)", "local put", "local read",
+                    "listener put", "listener read", "local read\n/ memcpy", "listener read\n/ raw read",
+                    "listener put\n/ raw put", "local put\n/ memcpy", "bit-exact"):
+            table.add_column(col, justify="right")
+        for e in results:
+            g = lambda path, op: f"{e[path][op][stat]:.2f}"  # noqa: E731
+            r = {k: e[path][op][stat] / e[base][bop][stat] for k, (path, op, base, bop) in {
+                "lr": ("local", "read", "memcpy", "copy"),
+                "xr": ("listener", "read", "raw_ucxx", "read"),
+                "xp": ("listener", "put", "raw_ucxx", "put"),
+                "lp": ("local", "put", "memcpy", "copy"),
+            }.items()}
+            ok = all(e[p]["verified"] for p in ("raw_ucxx", "local", "listener"))
+            table.add_row(e["size_label"], f"{e['memcpy']['copy'][stat]:.2f}", g("raw_ucxx", "put"),
+                          g("raw_ucxx", "read"), g("local", "put"), g("local", "read"), g("listener", "put"),
+                          g("listener", "read"), ratio_cell(r["lr"], GOAL_LOCAL_READ_VS_MEMCPY),
+                          ratio_cell(r["xr"], GOAL_LISTENER_VS_RAW), ratio_cell(r["xp"], GOAL_LISTENER_VS_RAW),
+                          ratio_cell(r["lp"], None), "[green]yes[/]" if ok else "[bold red]NO[/]")
+        console.print(table)
+
+    console.print(
+        f"Goals: same-host (local) read >= {GOAL_LOCAL_READ_VS_MEMCPY:.0%} of aligned memcpy; "
+        f"listener read and put >= {GOAL_LISTENER_VS_RAW:.0%} of raw ucxx (best vs best).\n"
+        "raw ucxx put = client→server, timed from posting all sends to the server's framed ack; "
+        "raw ucxx read = server→client, timed from a tiny framed request to the last payload received.\n"
+        "dKV put = one write() of all blocks (fresh hashes); dKV read = leased lookup() + read() into "
+        f"page-aligned buffers. UCX progress mode: {PROGRESS_MODE}."
+    )
+    for e in results:
+        goals = _goals(e)
+        parts = [f"{name.replace('_', ' ')} {e['ratios'][name]:.0%} "
+                 f"{'[green]met[/]' if met else '[red]missed[/]'}" for name, met in goals.items()]
+        console.print(f"  {e['size_label']:>9}: " + "; ".join(parts))
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default=DEFAULT_SIZES, help=f"comma-separated block sizes (default {DEFAULT_SIZES})")
+    parser.add_argument("--blocks", type=int, default=256, help="blocks per op (default 256)")
+    parser.add_argument("--repeat", type=int, default=3, help="timed runs per measurement (default 3)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed runs before them (default 1)")
+    parser.add_argument("--json", type=Path, default=None, help="write every number to this JSON file")
+    parser.add_argument("--raw-server", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.raw_server is None:
+        try:
+            args.size_list = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+        except DKVError as exc:
+            parser.error(str(exc))
+        if not args.size_list or any(s <= 0 for s in args.size_list):
+            parser.error("--sizes needs at least one positive size")
+        if not 1 <= args.blocks <= 65536:
+            parser.error("--blocks must be in [1, 65536]")
+        if args.repeat < 1 or args.warmup < 0:
+            parser.error("--repeat must be >= 1 and --warmup >= 0")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.raw_server is not None:
+        asyncio.run(_raw_server(args.raw_server))
+        return 0
+
+    from rich.console import Console
+
+    from cluster.process import NodeStartError, start_node
+
+    err = Console(stderr=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks below
+    max_size = max(args.size_list)
+    pool = args.blocks * _align_up(max_size) * 2 + 64 * 2**20
+    started = time.time()
+    load_start = list(os.getloadavg())
+    results: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="dkv-bench-") as tmp:
+        workdir = Path(tmp)
+        node = child = None
+        try:
+            err.log(f"starting node (pool {format_size(pool)}) and raw ucxx server")
+            node = start_node(pool=str(pool), listen="127.0.0.1:0", workdir=workdir / "node")
+            child = RawChild(workdir)
+            results = asyncio.run(run_all(node.address, child.port, args.size_list, args.blocks, args.repeat,
+                                          args.warmup, lambda msg: err.log(msg)))
+        except (DKVError, BenchError, NodeStartError) as exc:
+            err.print(f"[bold red]benchmark failed:[/] {type(exc).__name__}: {exc}")
+            if node is not None:
+                err.print(f"node log tail:\n{node.log_tail()}")
+            if child is not None:
+                err.print(f"raw server log tail:\n{child.log_tail()}")
+            return 2
+        finally:
+            if child is not None:
+                child.stop()
+            if node is not None:
+                node.stop()
+
+    print_report(results, args.repeat, args.warmup, args.blocks)
+    Console().print(f"nproc {os.cpu_count()}, load average at start {load_start[0]:.2f}, "
+                    f"at end {os.getloadavg()[0]:.2f} (other processes on this machine skew the numbers)")
+    verified = all(e[p]["verified"] for e in results for p in ("raw_ucxx", "local", "listener"))
+    if args.json is not None:
+        for e in results:
+            e["goals_met"] = _goals(e)
+        doc = {
+            "machine": {**machine_info(), "loadavg_start": load_start},
+            "config": {"sizes": args.size_list, "blocks": args.blocks, "repeat": args.repeat, "warmup": args.warmup,
+                       "pool_bytes": pool, "unit": "GB/s (1e9 bytes/s) of block payload",
+                       "read_timing": "leased lookup + read", "put_timing": "one write() call",
+                       "raw_ucxx": {"put": "client->server, posting sends to framed ack",
+                                    "read": "server->client, framed request to last payload"}},
+            "goals": {"local_read_vs_memcpy": GOAL_LOCAL_READ_VS_MEMCPY,
+                      "listener_read_vs_raw_ucxx": GOAL_LISTENER_VS_RAW,
+                      "listener_put_vs_raw_ucxx": GOAL_LISTENER_VS_RAW},
+            "verified": verified,
+            "elapsed_s": time.time() - started,
+            "results": results,
+        }
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+    if not verified:
+        Console(stderr=True).print("[bold red]bit-exact verification FAILED[/] (see the bit-exact column)")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

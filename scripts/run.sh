@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One entry point that does all the set-up, then runs what you asked for.
+#   scripts/run.sh demo   set up, then run the main job (a node and a smoke round trip)
+#   scripts/run.sh test   set up, then run the test suite
+# Set-up is idempotent and quick once done: Debian packages (etcd), a virtual
+# environment in .venv, and this project installed into it with its pinned deps.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+VENV=.venv
+
+setup() {
+  if ! command -v etcd >/dev/null 2>&1; then
+    echo "==> installing etcd (Debian package etcd-server)"
+    if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq etcd-server iproute2 >/dev/null
+  fi
+  local stamp="$VENV/.dkv-installed"
+  local want
+  want=$(sha256sum pyproject.toml | cut -c1-16)
+  if [ ! -x "$VENV/bin/python" ]; then
+    echo "==> creating $VENV"
+    "$PY" -m venv "$VENV"
+  fi
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    echo "==> installing dKV and its pinned dependencies into $VENV"
+    "$VENV/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
+    "$VENV/bin/python" -m pip install -q -e '.[test]' 2>&1 | grep -v '^WARNING: Location' || true
+    "$VENV/bin/python" -c "import dkv, ucxx, torch, msgpack, etcd3aio" >/dev/null
+    echo "$want" > "$stamp"
+  fi
+}
+
+cmd=${1:-}
+shift || true
+case "$cmd" in
+  demo)
+    setup
+    exec "$VENV/bin/python" scripts/smoke.py "$@"
+    ;;
+  test)
+    setup
+    exec "$VENV/bin/python" -m pytest -q "$@"
+    ;;
+  setup)
+    setup
+    ;;
+  *)
+    echo "usage: scripts/run.sh demo|test|setup [args...]" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,143 @@
+"""Shared fixtures: real node processes (stopped by PID), clients, and a leak check after every test."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from cluster.process import NodeProcess, start_node
+from dkv.client import NodeClient
+from dkv.server import ADMIN_NAMESPACE
+from dkv.transport import init_transport, open_connections, stop_progress
+
+NAMESPACE = "test/ns0"
+WAIT_BOUND = 20.0  # generous: these machines are shared and noisy
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session", autouse=True)
+async def ucx_transport() -> AsyncIterator[None]:
+    """UCX is initialised once, on the session's loop, before any test counts threads."""
+    init_transport()
+    yield
+    await stop_progress()
+
+
+def _dkv_shm() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("dkv-")}
+
+
+@pytest.fixture
+async def node_factory(tmp_path: Path) -> AsyncIterator[Callable[..., NodeProcess]]:
+    """Start real ``dkv serve`` processes.
+
+    ``token=b"..."`` writes a token file and passes ``--token-file``. At
+    teardown every node still alive must hold no lease, reservation or pinned
+    block once its clients are gone; then each is stopped by its PID, and no
+    arena file may be left behind.
+    """
+    started: list[NodeProcess] = []
+
+    def factory(*args: str, token: bytes | None = None, **kwargs: Any) -> NodeProcess:
+        workdir = tmp_path / f"node{len(started)}"
+        workdir.mkdir(parents=True, exist_ok=True)
+        if token is not None:
+            (workdir / "token").write_bytes(token)
+            args = (*args, "--token-file", str(workdir / "token"))
+        node = start_node(*args, workdir=workdir, **kwargs)
+        node.ready["test_token"] = token
+        started.append(node)
+        return node
+
+    yield factory
+    try:
+        for node in started:
+            if node.alive():
+                token = node.ready.get("test_token")
+                stats = await wait_for_stats(
+                    node.address,
+                    lambda s: s["leases"] == 0 and s["reservations"] == 0 and s["clients"] <= 1,
+                    token=token,
+                )
+                assert stats["leases"] == 0, f"node {node.address} still holds leases: {stats}"
+                assert stats["reservations"] == 0, f"node {node.address} still holds reservations: {stats}"
+                assert stats["pinned_blocks"] == 0, f"node {node.address} still pins blocks: {stats}"
+    finally:
+        for node in started:
+            node.stop()
+    leftovers = {n.shm_name for n in started} & _dkv_shm()
+    assert not leftovers, f"arena files left behind: {leftovers}"
+
+
+@pytest.fixture
+def node(node_factory: Callable[..., NodeProcess]) -> NodeProcess:
+    return node_factory()
+
+
+@pytest.fixture
+async def clients(node_factory: Callable[..., NodeProcess]) -> AsyncIterator[Callable[..., NodeClient]]:
+    """Make :class:`NodeClient`s; all are closed at teardown (before any node is checked or stopped)."""
+    made: list[NodeClient] = []
+
+    def make(address: str, namespace: str = NAMESPACE, **kwargs: Any) -> NodeClient:
+        kwargs.setdefault("timeout", 10.0)
+        client = NodeClient(address, namespace, **kwargs)
+        made.append(client)
+        return client
+
+    yield make
+    await asyncio.gather(*(c.close() for c in made))
+
+
+async def node_stats(address: str, **kwargs: Any) -> dict[str, Any]:
+    """A node's stats over a fresh admin connection (closed before returning)."""
+    admin = NodeClient(address, ADMIN_NAMESPACE, pool_size=1, **kwargs)
+    try:
+        return await admin.stats()
+    finally:
+        await admin.close()
+
+
+async def wait_for_stats(address: str, predicate: Callable[[dict[str, Any]], bool], **kwargs: Any) -> dict[str, Any]:
+    """Poll a node's stats until ``predicate`` holds (bounded by ``WAIT_BOUND``); returns the last stats."""
+    deadline = time.monotonic() + WAIT_BOUND
+    stats = await node_stats(address, **kwargs)
+    while not predicate(stats) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+        stats = await node_stats(address, **kwargs)
+    return stats
+
+
+def _coro_file(task: asyncio.Task[Any]) -> str:
+    code = getattr(task.get_coro(), "cr_code", None)
+    return code.co_filename if code is not None else ""
+
+
+def _owned_tasks() -> set[asyncio.Task[Any]]:
+    current = asyncio.current_task()
+    return {
+        t for t in asyncio.all_tasks()
+        if t is not current and not t.done() and "ucxx" not in _coro_file(t)
+    }
+
+
+@pytest.fixture(autouse=True)
+async def leak_check() -> AsyncIterator[None]:
+    """After each test: no open UCX endpoints, no stray tasks, no stray threads in this process."""
+    threads_before = {t.ident for t in threading.enumerate()}
+    yield
+    assert open_connections() == 0, f"{open_connections()} UCX connection(s) left open"
+    deadline = time.monotonic() + 5
+    while _owned_tasks() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert not _owned_tasks(), f"tasks left running: {_owned_tasks()}"
+    stray = [t for t in threading.enumerate() if t.ident not in threads_before and t.is_alive()
+             and not t.name.startswith("asyncio_")]  # the loop's own default executor
+    assert not stray, f"threads left running: {stray}"

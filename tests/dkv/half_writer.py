@@ -1,0 +1,36 @@
+"""A writer that reserves two blocks, sends or copies only part of them, then waits to be killed.
+
+Usage: half_writer.py ADDRESS LOCAL(0|1) HASH_HEX...
+Prints ``reserved`` once the node has reserved the slots and the partial bytes are out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from dkv.client import NodeClient
+from dkv.keys import BlockKey
+from dkv.wire import PROTOCOL_VERSION
+
+SIZE = 65536
+
+
+async def main(address: str, local: bool, hashes: list[bytes]) -> None:
+    client = NodeClient(address, "test/ns0", local=local)
+    await client.connect()
+    session = await client._open_session()  # a raw session: we stop half-way on purpose
+    keys = [["L", 0, h] for h in hashes]
+    shm = client.uses_shared_memory
+    reply = await session.request({"op": "write", "keys": keys, "sizes": [SIZE] * len(keys), "shm": shm}, 10)
+    if shm:
+        client._arena().slot(reply["offsets"][0], SIZE)[:] = b"\x01" * SIZE  # first block only, no commit
+    else:
+        await session.conn._ep.send(bytearray(b"\x01" * SIZE))  # first payload only
+    print("reserved", flush=True)
+    await asyncio.sleep(3600)
+
+
+if __name__ == "__main__":
+    _ = (BlockKey, PROTOCOL_VERSION)
+    asyncio.run(main(sys.argv[1], sys.argv[2] == "1", [bytes.fromhex(h) for h in sys.argv[3:]]))

@@ -1,0 +1,74 @@
+"""Bit-exact round trips through a real node process, over both paths."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from dkv.keys import BlockKey
+
+SIZES = [0, 1, 8 * 1024, 64 * 1024, 2**20, 4 * 2**20]
+
+
+@pytest.mark.parametrize("local", [True, False], ids=["same-host", "listener"])
+async def test_round_trip_is_bit_exact_for_every_block_size(node, clients, local: bool) -> None:
+    client = clients(node.address, local=local)
+    await client.connect()
+    assert client.uses_shared_memory is local
+    rng = np.random.default_rng(7)
+    hashes = [os.urandom(32) for _ in SIZES]
+    keys = [BlockKey("full", 0, h) for h in hashes]
+    sources = [rng.integers(0, 256, n, dtype=np.uint8) for n in SIZES]
+    written = await client.write(keys, sources)
+    assert written.statuses == ["write"] * len(SIZES)
+
+    found = await client.lookup(hashes, ["full"])
+    assert found.masks == {"full": [True] * len(SIZES)}
+    dests = [np.full(n, 0xAB, dtype=np.uint8) for n in SIZES]
+    await client.read(found.lease_id, keys, dests)
+    for size, src, dst in zip(SIZES, sources, dests):
+        assert np.array_equal(src, dst), f"block of {size} bytes differs"
+
+
+async def test_a_second_client_reads_what_the_first_wrote(node, clients) -> None:
+    writer, reader = clients(node.address, local=False), clients(node.address, local=True)
+    hashes = [os.urandom(8) for _ in range(3)]
+    keys = [BlockKey("L", s, h) for h in hashes for s in (0, 1)]
+    blocks = [os.urandom(4096) for _ in keys]
+    await writer.write(keys, blocks)
+    found = await reader.lookup(hashes, ["L"], shards=2)
+    assert found.masks == {"L": [True, True, True]}
+    dests = [bytearray(4096) for _ in keys]
+    await reader.read(found.lease_id, keys, dests)
+    assert [bytes(d) for d in dests] == blocks
+
+
+async def test_rewriting_a_held_block_is_skipped_not_duplicated(node, clients) -> None:
+    client = clients(node.address)
+    key = BlockKey("L", 0, os.urandom(32))
+    assert (await client.write([key], [b"a" * 100])).statuses == ["write"]
+    assert (await client.write([key], [b"b" * 100])).statuses == ["exists"]
+    found = await client.lookup([key.hash], ["L"])
+    dest = bytearray(100)
+    await client.read(found.lease_id, [key], [dest])
+    assert dest == b"a" * 100
+
+
+async def test_probe_reports_presence_without_a_lease(node, clients) -> None:
+    client = clients(node.address)
+    h = [os.urandom(32) for _ in range(3)]
+    await client.write([BlockKey("L", 0, h[0]), BlockKey("L", 0, h[2])], [b"x", b"y"])
+    assert await client.probe(h, ["L", "W"]) == {"L": [True, False, True], "W": [False, False, False]}
+    stats = await client.stats()
+    assert stats["leases"] == 0
+
+
+async def test_destination_of_the_wrong_size_is_refused(node, clients) -> None:
+    client = clients(node.address, local=False)
+    key = BlockKey("L", 0, os.urandom(32))
+    await client.write([key], [b"x" * 64])
+    found = await client.lookup([key.hash], ["L"])
+    with pytest.raises(ValueError, match="bytes for a block of 64"):
+        await client.read(found.lease_id, [key], [bytearray(10)])

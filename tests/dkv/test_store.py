@@ -1,0 +1,292 @@
+"""Store logic without I/O: visibility, presence, leases, eviction order, disk spill."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from dkv.arena import PAGE, Arena
+from dkv.disk_tier import DiskTier
+from dkv.errors import LeaseExpired, WriteRejected
+from dkv.store import BUSY, EXISTS, FULL, WRITE, Store, StoreKey
+
+NS = "t/ns"
+BLOCK = PAGE
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def arena() -> Iterator[Arena]:
+    a = Arena(8 * BLOCK, label="unit")
+    yield a
+    a.close()
+
+
+@pytest.fixture
+def store(arena: Arena, clock: Clock) -> Store:
+    return Store(arena, clock=clock, lease_ttl=10.0, reservation_ttl=30.0, max_leases_per_owner=4)
+
+
+def chain(n: int, tag: bytes = b"") -> list[bytes]:
+    return [(tag + bytes([i])).rjust(8, b"\0") for i in range(n)]
+
+
+def keys(hashes: list[bytes], leaf: str = "L", shard: int = 0) -> list[StoreKey]:
+    return [StoreKey(NS, leaf, shard, h) for h in hashes]
+
+
+def put(store: Store, ks: list[StoreKey], size: int = BLOCK, owner: str = "w") -> list[str]:
+    res, statuses = store.reserve(owner, ks, [size] * len(ks))
+    for k, off, n in zip(res.keys, res.offsets, res.sizes):
+        store.arena.slot(off, n)[:] = bytes([k.hash[-1]]) * n
+    store.commit(res.write_id, owner)
+    return statuses
+
+
+def test_reserved_block_is_invisible_until_commit(store: Store) -> None:
+    ks = keys(chain(2))
+    res, statuses = store.reserve("w", ks, [BLOCK, BLOCK])
+    assert statuses == [WRITE, WRITE]
+    assert store.presence(NS, chain(2), ["L"], 1) == {"L": [False, False]}
+    store.commit(res.write_id, "w")
+    assert store.presence(NS, chain(2), ["L"], 1) == {"L": [True, True]}
+
+
+def test_abandoned_write_leaves_nothing_and_frees_its_slots(store: Store) -> None:
+    free_before = store.host_bytes()[0]
+    res, _ = store.reserve("w", keys(chain(3)), [BLOCK] * 3)
+    assert store.host_bytes()[0] == free_before - 3 * BLOCK
+    store.drop_owner("w")
+    assert store.host_bytes()[0] == free_before
+    assert not store.reserved_keys and not store.blocks
+    with pytest.raises(WriteRejected):
+        store.commit(res.write_id, "w")
+
+
+def test_expired_reservation_is_aborted(store: Store, clock: Clock) -> None:
+    res, _ = store.reserve("w", keys(chain(1)), [BLOCK])
+    clock.now += 31
+    store.expire()
+    with pytest.raises(WriteRejected):
+        store.commit(res.write_id, "w")
+    assert not store.blocks
+
+
+def test_concurrent_writers_of_one_key_first_wins_second_skips(store: Store) -> None:
+    k = keys(chain(1))
+    res1, st1 = store.reserve("a", k, [BLOCK])
+    _, st2 = store.reserve("b", k, [BLOCK])
+    assert (st1, st2) == ([WRITE], [BUSY])
+    store.commit(res1.write_id, "a")
+    _, st3 = store.reserve("b", k, [BLOCK])
+    assert st3 == [EXISTS]
+
+
+def test_writer_cannot_commit_someone_elses_reservation(store: Store) -> None:
+    res, _ = store.reserve("a", keys(chain(1)), [BLOCK])
+    with pytest.raises(WriteRejected):
+        store.commit(res.write_id, "b")
+    store.abort(res.write_id)
+
+
+def test_presence_needs_every_tp_shard(store: Store) -> None:
+    h = chain(2)
+    put(store, [StoreKey(NS, "L", 0, h[0]), StoreKey(NS, "L", 1, h[0]), StoreKey(NS, "L", 0, h[1])])
+    assert store.presence(NS, h, ["L"], 2) == {"L": [True, False]}
+    assert store.presence(NS, h, ["L"], 1) == {"L": [True, True]}
+
+
+def test_namespaces_do_not_see_each_other(store: Store) -> None:
+    put(store, keys(chain(1)))
+    assert store.presence("other/ns", chain(1), ["L"], 1) == {"L": [False]}
+
+
+def test_lease_expires_before_read(store: Store, clock: Clock) -> None:
+    ks = keys(chain(2))
+    put(store, ks)
+    _, lease = store.lookup(NS, chain(2), ["L"], 1, owner="c")
+    assert lease is not None
+    clock.now += 10.5
+    with pytest.raises(LeaseExpired):
+        store.read_plan(lease.lease_id, "c", ks)
+    assert not store.leases and all(b.pins == 0 for b in store.blocks.values())
+
+
+def test_back_to_back_lookups_release_the_first_lease(store: Store) -> None:
+    put(store, keys(chain(2)))
+    _, first = store.lookup(NS, chain(2), ["L"], 1, owner="c", group=0)
+    _, second = store.lookup(NS, chain(2), ["L"], 1, owner="c", group=0)
+    assert first is not None and second is not None
+    assert list(store.leases) == [second.lease_id]
+    assert all(b.pins == 1 for b in store.blocks.values())
+    store.end_lease(second.lease_id)
+    assert all(b.pins == 0 for b in store.blocks.values())
+
+
+def test_lookups_of_other_groups_keep_their_leases(store: Store) -> None:
+    put(store, keys(chain(1)))
+    store.lookup(NS, chain(1), ["L"], 1, owner="c", group=0)
+    store.lookup(NS, chain(1), ["L"], 1, owner="c", group=1)
+    assert len(store.leases) == 2
+
+
+def test_lease_count_is_bounded_per_owner(store: Store) -> None:
+    put(store, keys(chain(1)))
+    for group in range(10):
+        store.lookup(NS, chain(1), ["L"], 1, owner="c", group=group)
+    assert len(store.leases) == 4
+    assert store.counters.leases_dropped_over_limit == 6
+    assert store.blocks[keys(chain(1))[0]].pins == 4
+
+
+def test_vanished_owner_loses_its_leases(store: Store) -> None:
+    put(store, keys(chain(2)))
+    store.lookup(NS, chain(2), ["L"], 1, owner="c")
+    store.drop_owner("c")
+    assert not store.leases and all(b.pins == 0 for b in store.blocks.values())
+
+
+def test_read_outside_the_lease_is_refused(store: Store) -> None:
+    h = chain(2)
+    put(store, keys(h))
+    _, lease = store.lookup(NS, h[:1], ["L"], 1, owner="c")
+    assert lease is not None
+    with pytest.raises(LeaseExpired):
+        store.read_plan(lease.lease_id, "c", keys(h))
+    with pytest.raises(LeaseExpired):
+        store.read_plan(lease.lease_id, "someone-else", keys(h[:1]))
+
+
+def test_leased_blocks_are_never_evicted(store: Store) -> None:
+    held = keys(chain(4, b"h"))
+    put(store, held)
+    _, lease = store.lookup(NS, [k.hash for k in held], ["L"], 1, owner="c")
+    for i in range(3):  # 8 slots: 4 pinned, the rest churns
+        put(store, keys(chain(4, bytes([i + 1]))))
+    assert all(k in store.blocks for k in held)
+    assert lease is not None and store.read_plan(lease.lease_id, "c", held)
+    store.end_lease(lease.lease_id)
+
+
+def test_pool_full_of_pinned_blocks_refuses_writes(store: Store) -> None:
+    held = keys(chain(8, b"h"))
+    put(store, held)
+    _, lease = store.lookup(NS, [k.hash for k in held], ["L"], 1, owner="c")
+    _, statuses = store.reserve("w", keys(chain(1, b"x")), [BLOCK])
+    assert statuses == [FULL]
+    assert lease is not None
+    store.end_lease(lease.lease_id)
+
+
+def _eviction_order(store: Store, n: int) -> list[StoreKey]:
+    """Fill the pool with fresh blocks one by one and record which old blocks go, in order."""
+    gone: list[StoreKey] = []
+    store.on_evict.append(gone.extend)
+    for i in range(n):
+        put(store, keys([os.urandom(8)], leaf="filler"))
+    return gone
+
+
+def test_partial_touch_would_evict_the_root_first(store: Store) -> None:
+    """The seed's warning, reproduced: touching a suffix ages the omitted root below it."""
+    h = chain(4)
+    put(store, keys(h))
+    put(store, keys(chain(4, b"o")))  # other blocks, newer than the chain
+    store.touch(NS, h[1:], ["L"], 1)  # root-omitting slice: the anti-pattern
+    gone = _eviction_order(store, 1)
+    assert gone[0].hash == h[0]
+
+
+def test_whole_chain_touch_keeps_the_root_last(store: Store) -> None:
+    h = chain(4)
+    put(store, keys(h))
+    put(store, keys(chain(4, b"o")))
+    store.touch(NS, h, ["L"], 1)  # the contract: the whole chain, from its root
+    gone = _eviction_order(store, 8)
+    chain_order = [k.hash for k in gone if k.leaf == "L" and k.hash in h]
+    assert chain_order == [h[3], h[2], h[1], h[0]], "deepest first, root last"
+    others = [i for i, k in enumerate(gone) if k.hash not in h]
+    assert max(others[:4]) < gone.index(StoreKey(NS, "L", 0, h[3])), "older stamps go before the touched chain"
+
+
+def test_read_stamps_the_loaded_blocks(store: Store) -> None:
+    h = chain(2)
+    put(store, keys(h))
+    put(store, keys(chain(2, b"o")))
+    _, lease = store.lookup(NS, h, ["L"], 1, owner="c")
+    assert lease is not None
+    store.read_plan(lease.lease_id, "c", keys(h))
+    store.end_lease(lease.lease_id)
+    gone = _eviction_order(store, 6)
+    assert {k.hash for k in gone[:2]} == set(chain(2, b"o"))
+
+
+def test_host_byte_accounting(store: Store) -> None:
+    free, total = store.host_bytes()
+    assert (free, total) == (8 * BLOCK, 8 * BLOCK)
+    put(store, keys(chain(3)), size=100)  # one page each: slots are page-aligned
+    assert store.host_bytes() == (5 * BLOCK, 8 * BLOCK)
+    assert store.disk_bytes() == (0, 0)
+
+
+def test_zero_byte_blocks_own_no_slot(store: Store) -> None:
+    put(store, keys(chain(3)), size=0)
+    assert store.host_bytes()[0] == 8 * BLOCK
+    _, lease = store.lookup(NS, chain(3), ["L"], 1, owner="c")
+    assert lease is not None
+    assert [p.size for p in store.read_plan(lease.lease_id, "c", keys(chain(3)))] == [0, 0, 0]
+    store.end_lease(lease.lease_id)
+
+
+def test_clear_drops_unpinned_blocks_of_one_namespace(store: Store) -> None:
+    put(store, keys(chain(2)))
+    put(store, [StoreKey("other/ns", "L", 0, h) for h in chain(2)])
+    assert store.clear(NS) == 2
+    assert len(store.blocks) == 2
+
+
+def test_disk_tier_spills_evicted_blocks_and_reads_them_back(arena: Arena, clock: Clock, tmp_path) -> None:
+    disk = DiskTier(str(tmp_path), 4 * BLOCK)
+    store = Store(arena, disk, clock=clock)
+    unpublished: list[StoreKey] = []
+    store.on_evict.append(unpublished.extend)
+    first = keys(chain(4, b"a"))
+    put(store, first)
+    put(store, keys(chain(8, b"b")))  # pushes the first four out to disk
+    assert store.counters.spills == 4 and not unpublished
+    assert store.presence(NS, [k.hash for k in first], ["L"], 1) == {"L": [True] * 4}
+    assert store.disk_bytes() == (0, 4 * BLOCK)
+    masks, lease = store.lookup(NS, [k.hash for k in first], ["L"], 1, owner="c")
+    assert masks == {"L": [True] * 4} and lease is not None
+    plans = store.read_plan(lease.lease_id, "c", first)
+    for key, plan in zip(first, plans):
+        assert bytes(arena.slot(plan.offset, plan.size)) == bytes([key.hash[-1]]) * BLOCK
+    store.end_lease(lease.lease_id)
+    assert store.counters.disk_hits == 4
+    disk.clear()
+
+
+def test_disk_tier_drops_its_oldest_when_full_and_unpublishes(arena: Arena, clock: Clock, tmp_path) -> None:
+    disk = DiskTier(str(tmp_path), 2 * BLOCK)
+    store = Store(arena, disk, clock=clock)
+    unpublished: list[StoreKey] = []
+    store.on_evict.append(unpublished.extend)
+    put(store, keys(chain(8, b"a")))
+    put(store, keys(chain(4, b"b")))
+    assert store.counters.spills == 4 and store.counters.disk_drops == 2
+    assert len(unpublished) == 2 and len(store.blocks) == 10
+    disk.clear()

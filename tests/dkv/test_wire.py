@@ -1,0 +1,83 @@
+"""Frame header and message validation: everything is checked before allocation."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from dkv.errors import FrameTooLarge, ProtocolError
+from dkv.wire import (
+    HEADER,
+    MAGIC,
+    MAX_FRAME,
+    PROTOCOL_VERSION,
+    check_request,
+    decode_body,
+    decode_header,
+    encode_body,
+    encode_header,
+    proof_matches,
+    token_proof,
+)
+
+
+def test_header_round_trip() -> None:
+    assert decode_header(encode_header(1234)) == 1234
+
+
+def test_oversized_frame_is_refused_before_allocation() -> None:
+    with pytest.raises(FrameTooLarge):
+        decode_header(HEADER.pack(MAGIC, PROTOCOL_VERSION, 0, MAX_FRAME + 1, 0))
+    with pytest.raises(FrameTooLarge):
+        encode_header(MAX_FRAME + 1)
+
+
+def test_garbage_header_is_a_protocol_error() -> None:
+    with pytest.raises(ProtocolError):
+        decode_header(b"GET / HTTP/1.1\r\n")
+
+
+def test_other_protocol_version_is_refused() -> None:
+    with pytest.raises(ProtocolError, match="version"):
+        decode_header(HEADER.pack(MAGIC, PROTOCOL_VERSION + 1, 0, 10, 0))
+
+
+@pytest.mark.parametrize("body", [b"\xc1\xc1\xc1", msgpack.packb([1, 2, 3]), msgpack.packb({1: 2})])
+def test_bodies_that_are_not_string_keyed_maps_are_refused(body: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        decode_body(body)
+
+
+def test_valid_lookup_passes() -> None:
+    msg = decode_body(encode_body({"op": "lookup", "hashes": [b"x" * 32, b"y" * 8], "leaves": ["L"],
+                                   "shards": 2, "lease": True, "group": 0}))
+    assert check_request(msg) == "lookup"
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"op": "lookup", "hashes": [b"x" * 7], "leaves": ["L"], "shards": 1, "lease": True, "group": 0},
+        {"op": "lookup", "hashes": [b"x" * 8], "leaves": [], "shards": 1, "lease": True, "group": 0},
+        {"op": "lookup", "hashes": [b"x" * 8], "leaves": ["L"], "shards": 0, "lease": True, "group": 0},
+        {"op": "read", "lease": 1, "keys": [["L", 0, b"x" * 9]], "end": True, "shm": False},
+        {"op": "write", "keys": [["L", 99, b"x" * 8]], "sizes": [1], "shm": False},
+        {"op": "write", "keys": [["L", 0, b"x" * 8]], "sizes": [-1], "shm": False},
+        {"op": "nope"},
+        {"op": "commit"},
+        {"hashes": []},
+    ],
+)
+def test_malformed_requests_are_refused(message: dict) -> None:
+    with pytest.raises(ProtocolError):
+        check_request(message)
+
+
+def test_token_proof_is_bound_to_nonce_and_namespace() -> None:
+    proof = token_proof(b"secret-token-123456", b"n" * 16, "a/b")
+    assert proof_matches(b"secret-token-123456", b"n" * 16, "a/b", proof)
+    assert not proof_matches(b"secret-token-123456", b"m" * 16, "a/b", proof)
+    assert not proof_matches(b"secret-token-123456", b"n" * 16, "a/c", proof)
+    assert not proof_matches(b"other-token-1234567", b"n" * 16, "a/b", proof)
+    assert not proof_matches(b"secret-token-123456", b"n" * 16, "a/b", None)
+    assert proof_matches(None, b"n" * 16, "a/b", None)
