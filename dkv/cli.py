@@ -36,6 +36,12 @@ def read_token(token_file: Path | None) -> bytes | None:
     return token
 
 
+def _console() -> Console:
+    """Stdout console; wide enough for the tables when stdout is not a terminal."""
+    console = Console()
+    return console if console.is_terminal else Console(width=200)
+
+
 def _fail(message: str) -> None:
     Console(stderr=True).print(f"[bold red]error:[/] {message}")
     raise typer.Exit(2)
@@ -52,6 +58,11 @@ def serve(
     namespace: Annotated[Optional[list[str]], typer.Option(help="Serve only these namespaces (repeatable; default: any).")] = None,
     lease_ttl: Annotated[float, typer.Option(help="Seconds a lookup's lease pins its blocks.")] = 10.0,
     max_leases: Annotated[int, typer.Option(help="Leases one client may hold; one more ends its oldest.")] = 64,
+    etcd: Annotated[Optional[str], typer.Option(help="etcd endpoints URL[,URL...]: join a cluster (membership + directory).")] = None,
+    cluster: Annotated[str, typer.Option(help="Cluster name (etcd keys live under PREFIX/CLUSTER/).")] = "default",
+    etcd_prefix: Annotated[str, typer.Option(help="etcd key prefix.")] = "/dkv",
+    etcd_ttl: Annotated[int, typer.Option(help="Seconds a dead node's membership and entries outlive it.")] = 10,
+    publish_every: Annotated[int, typer.Option(help="Announce every k-th block of an offloaded run plus its last (1 = all).")] = 1,
     ready_file: Annotated[Optional[Path], typer.Option(help="Write a JSON line with the bound address here once serving.")] = None,
     log_level: Annotated[str, typer.Option(help="Logging level.")] = "INFO",
 ) -> None:
@@ -73,15 +84,23 @@ def serve(
             max_leases_per_client=max_leases,
             **({"node_id": node_id} if node_id else {}),
         )
-        asyncio.run(_serve(config, ready_file))
-    except (ConfigError, ValueError) as exc:
+        cluster_config = None
+        if etcd:
+            from dkv.presence import ClusterConfig
+
+            if not node_id:
+                raise ConfigError("--etcd needs --node-id: the cluster knows a node by its id")
+            cluster_config = ClusterConfig(etcd=etcd, cluster=cluster, prefix=etcd_prefix, ttl=etcd_ttl,
+                                           publish_every=publish_every)
+        asyncio.run(_serve(config, cluster_config, ready_file))
+    except (DKVError, ValueError) as exc:
         _fail(str(exc))
 
 
-async def _serve(config: Any, ready_file: Path | None) -> None:
+async def _serve(config: Any, cluster_config: Any, ready_file: Path | None) -> None:
     from dkv.server import NodeServer
 
-    server = NodeServer(config)
+    server = NodeServer(config, cluster_config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -89,7 +108,8 @@ async def _serve(config: Any, ready_file: Path | None) -> None:
     try:
         await server.start()
         ready = {"address": server.address, "port": server.port, "node_id": config.node_id,
-                 "pid": os.getpid(), "shm": server.arena.shm_name, "epoch": server.epoch}
+                 "pid": os.getpid(), "shm": server.arena.shm_name, "epoch": server.epoch,
+                 "cluster": cluster_config.cluster if cluster_config else None}
         if ready_file is not None:
             tmp = ready_file.with_suffix(".tmp")
             tmp.write_text(json.dumps(ready) + "\n")
@@ -137,7 +157,7 @@ def stats(
     rows += [(name.replace("_", " "), str(value)) for name, value in result["counters"].items()]
     for name, value in rows:
         table.add_row(name, value)
-    Console().print(table)
+    _console().print(table)
 
 
 async def _fetch_stats(address: str, token: bytes | None, timeout: float) -> dict[str, Any]:
@@ -151,6 +171,168 @@ async def _fetch_stats(address: str, token: bytes | None, timeout: float) -> dic
     finally:
         await client.close()
         await stop_progress()
+
+
+# ---- cluster inspection ----------------------------------------------------------------------
+
+EtcdOption = Annotated[str, typer.Option("--etcd", help="etcd endpoints URL[,URL...].", envvar="DKV_ETCD")]
+ClusterOption = Annotated[str, typer.Option(help="Cluster name.")]
+PrefixOption = Annotated[str, typer.Option("--etcd-prefix", help="etcd key prefix.")]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+async def _with_router(etcd: str, cluster: str, prefix: str, fn: Any, *, follow: bool = False,
+                       on_event: Any = None) -> Any:
+    from dkv.etcd import Layout, make_client
+    from dkv.router import Router
+
+    client = make_client(etcd)
+    await client.connect()
+    router = Router(client, Layout(cluster, prefix), on_event=on_event)
+    try:
+        await router.start(follow=follow)
+        return await fn(router, client)
+    except DKVError:
+        raise
+    except Exception as exc:  # etcd errors: say which endpoint and why, no traceback
+        raise DKVError(f"etcd at {etcd}: {type(exc).__name__}: {exc}") from exc
+    finally:
+        await router.stop()
+        await client.close()
+
+
+def _hashes(values: list[str]) -> list[bytes]:
+    from dkv.keys import check_hash
+
+    out = []
+    for value in values:
+        try:
+            out.append(check_hash(bytes.fromhex(value)))
+        except ValueError as exc:
+            raise ConfigError(f"hash {value!r}: give 16 or 64 hex digits ({exc})") from exc
+    return out
+
+
+@app.command()
+def peers(etcd: EtcdOption, cluster: ClusterOption = "default", etcd_prefix: PrefixOption = "/dkv",
+          as_json: JsonOption = False) -> None:
+    """List the cluster's live peers: address, epoch, tiers, published blocks, lease TTL left."""
+
+    async def collect(router: Any, client: Any) -> list[dict[str, Any]]:
+        rows = []
+        for node_id in sorted(router.members):
+            member = router.members[node_id]
+            ttl = None
+            lease = router.lease_of.get(node_id)
+            if lease:
+                try:
+                    ttl = int((await client.lease.time_to_live(lease, timeout=5.0)).TTL)
+                except Exception:  # noqa: BLE001 - the peer may vanish between the two reads
+                    ttl = None
+            rows.append({**vars(member), "lease_ttl_left": ttl,
+                         "state": "up" if ttl is None or ttl > 0 else "expiring"})
+        return rows
+
+    try:
+        rows = asyncio.run(_with_router(etcd, cluster, etcd_prefix, collect))
+    except DKVError as exc:
+        _fail(str(exc))
+    if as_json:
+        print(json.dumps(rows, indent=2, sort_keys=True))
+        return
+    table = Table(title=f"dKV cluster {cluster!r}: {len(rows)} peer(s)")
+    for column in ("id", "address", "epoch", "host used/total", "disk used/total", "published", "lease TTL", "state"):
+        table.add_column(column)
+    for r in rows:
+        table.add_row(r["node_id"], r["address"], r["epoch"],
+                      f"{format_size(r['host_used'])} / {format_size(r['host_total'])}",
+                      f"{format_size(r['disk_used'])} / {format_size(r['disk_total'])}" if r["disk_total"] else "off",
+                      str(r["published"]), "-" if r["lease_ttl_left"] is None else f"{r['lease_ttl_left']} s",
+                      r["state"])
+    _console().print(table)
+
+
+@app.command()
+def where(hashes: Annotated[list[str], typer.Argument(help="Block hashes in hex.")],
+          ns: Annotated[str, typer.Option("--ns", help="Namespace.")], etcd: EtcdOption,
+          cluster: ClusterOption = "default", etcd_prefix: PrefixOption = "/dkv", as_json: JsonOption = False) -> None:
+    """Which live peers announced each hash."""
+    try:
+        wanted = _hashes(hashes)
+        found = asyncio.run(_with_router(etcd, cluster, etcd_prefix,
+                                         lambda r, c: _async_value({h.hex(): sorted(r.holders(ns, h)) for h in wanted})))
+    except DKVError as exc:
+        _fail(str(exc))
+    if as_json:
+        print(json.dumps(found, indent=2))
+        return
+    table = Table(title=f"namespace {ns}")
+    table.add_column("hash")
+    table.add_column("peers")
+    for h, holders in found.items():
+        table.add_row(h, ", ".join(holders) or "-")
+    _console().print(table)
+
+
+@app.command()
+def route(hashes: Annotated[list[str], typer.Argument(help="The request's block hashes in hex, root first.")],
+          ns: Annotated[str, typer.Option("--ns", help="Namespace.")], etcd: EtcdOption,
+          cluster: ClusterOption = "default", etcd_prefix: PrefixOption = "/dkv", as_json: JsonOption = False) -> None:
+    """The peer holding the longest prefix, how deep, and the request's dkv_cache_hint."""
+    try:
+        wanted = _hashes(hashes)
+        chosen = asyncio.run(_with_router(etcd, cluster, etcd_prefix, lambda r, c: _async_value(r.route(ns, wanted))))
+    except DKVError as exc:
+        _fail(str(exc))
+    result = {"peer": chosen.peer.node_id if chosen.peer else None,
+              "address": chosen.peer.address if chosen.peer else None,
+              "depth": chosen.depth, "of": len(wanted),
+              "hint": json.loads(chosen.hint) if chosen.hint else None}
+    if as_json:
+        print(json.dumps(result, indent=2))
+        return
+    if chosen.peer is None:
+        _console().print(f"no live peer holds the root of these {len(wanted)} hashes in {ns}")
+        return
+    _console().print(f"peer [bold]{result['peer']}[/] at {result['address']} covers {chosen.depth} of {len(wanted)}")
+    print(chosen.hint)
+
+
+@app.command()
+def watch(etcd: EtcdOption, cluster: ClusterOption = "default", etcd_prefix: PrefixOption = "/dkv",
+          count: Annotated[int, typer.Option(help="Stop after this many events (0 = never).")] = 0,
+          duration: Annotated[float, typer.Option(help="Stop after this many seconds (0 = never).")] = 0.0,
+          as_json: JsonOption = False) -> None:
+    """Print join/leave/update/publish/unpublish events live (Ctrl-C to stop)."""
+    done = asyncio.Event()
+    seen = 0
+
+    def show(event: Any) -> None:
+        nonlocal seen
+        seen += 1
+        record = {"event": event.kind, "node": event.node_id, "namespace": event.namespace or None,
+                  "hash": event.block_hash.hex() or None}
+        print(json.dumps(record) if as_json else
+              f"{event.kind:9s} {event.node_id}" + (f" {event.namespace} {event.block_hash.hex()}" if event.namespace else ""),
+              flush=True)
+        if count and seen >= count:
+            done.set()
+
+    async def follow(router: Any, client: Any) -> None:
+        print(f"watching cluster {cluster!r}: {len(router.members)} peer(s), {router.entries} entries", flush=True)
+        try:
+            await asyncio.wait_for(done.wait(), duration or None)
+        except asyncio.TimeoutError:
+            pass
+
+    try:
+        asyncio.run(_with_router(etcd, cluster, etcd_prefix, follow, follow=True, on_event=show))
+    except DKVError as exc:
+        _fail(str(exc))
+
+
+async def _async_value(value: Any) -> Any:
+    return value
 
 
 def main() -> None:

@@ -12,6 +12,8 @@
      │    └── WriteRejected       a commit or write the node refused
      ├── TransportError           the connection failed or closed
      │    └── OpTimeout           an await exceeded its bound
+     ├── ClusterError             etcd could not be reached or refused us
+     │    └── NodeIdTaken         another live node holds this node id
      └── PoolFull                 the arena has no room, even after eviction
 
 ``ValueError`` (not a DKVError) is raised for bad arguments at API boundaries,
@@ -68,6 +70,14 @@ class TransportError(DKVError):
 
 class OpTimeout(TransportError):
     """A network await ran past its bound."""
+
+
+class ClusterError(DKVError):
+    """etcd could not be reached, or refused what the node asked."""
+
+
+class NodeIdTaken(ClusterError):
+    """Another live node already holds this node id in the cluster."""
 
 
 class PoolFull(DKVError):

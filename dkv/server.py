@@ -20,6 +20,7 @@ import itertools
 import logging
 import os
 import secrets
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from dkv.disk_tier import DiskTier
 from dkv.errors import ConfigError, DKVError, ProtocolError, RemoteError, TransportError
 from dkv.hostid import host_id
 from dkv.keys import check_namespace
+from dkv.presence import ClusterConfig, ClusterPresence, new_epoch
 from dkv.store import Store, StoreKey
 from dkv.transport import Connection, Listener, stop_progress
 from dkv.units import is_loopback
@@ -95,10 +97,12 @@ class _Peer:
 class NodeServer:
     """A dKV node: arena, store, UCX listener, and the background expiry task."""
 
-    def __init__(self, config: NodeConfig) -> None:
+    def __init__(self, config: NodeConfig, cluster: ClusterConfig | None = None) -> None:
         config.validate()
         self.config = config
-        self.epoch = f"{int(time.time())}-{secrets.token_hex(4)}"
+        self.cluster_config = cluster
+        self.presence: ClusterPresence | None = None
+        self.epoch = new_epoch()
         self.started_at = time.time()
         self.arena = Arena(config.pool_size, label=_label(config.node_id))
         try:
@@ -129,12 +133,23 @@ class NodeServer:
 
     @property
     def address(self) -> str:
-        return f"{self.config.host}:{self.port}"
+        """The address peers should dial (a wildcard listen host is replaced by this host's address)."""
+        host = self.config.host
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.gethostbyname(socket.gethostname())
+        return f"{host}:{self.port}"
 
     async def start(self) -> None:
-        """Start listening and the expiry task."""
+        """Start listening, the expiry task, and (with a cluster) register in etcd.
+
+        Raises :class:`dkv.membership.NodeIdTaken` when a live node holds the id;
+        the caller must still :meth:`stop`.
+        """
         self._listener = Listener(self._serve, self.config.port)
         self._expiry = asyncio.create_task(self._expire_forever(), name="dkv-expiry")
+        if self.cluster_config is not None:
+            self.presence = ClusterPresence(self, self.cluster_config)
+            await self.presence.start()
         log.info("node %s listening on %s (pool %d bytes, shm %s)", self.config.node_id,
                  self.address, self.arena.size, self.arena.shm_name)
 
@@ -143,6 +158,8 @@ class NodeServer:
         if self._closed:
             return
         self._closed = True
+        if self.presence is not None:
+            await self.presence.stop()
         if self._listener is not None:
             self._listener.close()
         if self._expiry is not None:
@@ -373,6 +390,7 @@ class NodeServer:
             "ops": dict(self.ops),
             "errors": dict(self.errors_by_code),
             "counters": vars(store.counters).copy(),
+            "cluster": self.presence.stats() if self.presence is not None else None,
         }
 
 

@@ -55,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `cluster` lives at the repository root
     sys.path.insert(0, str(ROOT))
 
-from dkv.errors import DKVError, ProtocolError, TransportError  # noqa: E402
+from dkv.errors import DKVError, ProtocolError  # noqa: E402
 from dkv.transport import Connection, Listener, connect, init_transport, stop_progress  # noqa: E402
 from dkv.units import format_size, parse_size  # noqa: E402
 
@@ -323,50 +323,96 @@ async def bench_path(client: Any, src: Blocks, dst: Blocks, runs: int,
     return put, read, verified
 
 
-async def run_all(address: str, raw_port: int, sizes: list[int], blocks: int, runs: int, warmup: int,
+class Processes:
+    """The child processes of a run, stopped by :func:`main` in a ``finally`` whatever happens."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.node: Any = None
+        self.child: RawChild | None = None
+
+    def stop_child(self) -> None:
+        if self.child is not None:
+            self.child.stop()
+
+    def stop_all(self) -> None:
+        self.stop_child()
+        if self.node is not None:
+            self.node.stop()
+
+
+async def run_all(procs: Processes, sizes: list[int], blocks: int, runs: int, warmup: int, pool: int,
                   log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Three phases, so that no third process competes for the CPUs during a measurement.
+
+    With dKV's default ``blocking`` UCX progress mode, a process that has seen one UCX event
+    keeps its event loop spinning (a full core) even when idle, so the raw server child must
+    be gone while the node is measured, and the node must not exist yet while raw ucxx is:
+    1. memcpy, no other process; 2. raw ucxx, with only the child; 3. dKV, with only the node.
+    """
+    from cluster.process import start_node
     from dkv.client import NodeClient
 
     init_transport()
-    results: list[dict[str, Any]] = []
-    clients = {
-        "local": NodeClient(address, NAMESPACE, local=True, timeout=OP_TIMEOUT, pool_size=1, retries=1),
-        "listener": NodeClient(address, NAMESPACE, local=False, timeout=OP_TIMEOUT, pool_size=1, retries=1),
-    }
+    entries = {size: {"size": size, "size_label": format_size(size), "blocks": blocks,
+                      "bytes_per_op": blocks * size} for size in sizes}
+
+    def buffers(size: int) -> tuple[Blocks, Blocks]:
+        src, dst = Blocks(blocks, size), Blocks(blocks, size)
+        src.fill_random(seed=size)  # the same bytes in every phase
+        return src, dst
+
     raw: Connection | None = None
+    clients: dict[str, Any] = {}
     try:
-        for name, client in clients.items():
+        for size in sizes:
+            log(f"{format_size(size)} x {blocks}: memcpy")
+            src, dst = buffers(size)
+            entries[size]["memcpy"] = {"copy": _rates(bench_memcpy(src, dst, runs, warmup), src.nbytes)}
+            del src, dst
+
+        log("starting the raw ucxx server")
+        procs.child = RawChild(procs.workdir)
+        raw = await connect("127.0.0.1", procs.child.port)
+        for size in sizes:
+            log(f"{format_size(size)} x {blocks}: raw ucxx")
+            src, dst = buffers(size)
+            put, read, ok = await bench_raw(raw, src, dst, runs, warmup)
+            entries[size]["raw_ucxx"] = {"put": _rates(put, src.nbytes), "read": _rates(read, src.nbytes),
+                                         "verified": ok}
+            del src, dst
+        await raw.send_message({"op": "bye"}, OP_TIMEOUT)
+        await raw.close()
+        raw = None
+        procs.stop_child()
+
+        log(f"starting the node (pool {format_size(pool)})")
+        procs.node = start_node(pool=str(pool), listen="127.0.0.1:0", workdir=procs.workdir / "node")
+        for name in ("local", "listener"):
+            client = NodeClient(procs.node.address, NAMESPACE, local=name == "local", timeout=OP_TIMEOUT,
+                                pool_size=1, retries=1)
+            clients[name] = client
             await client.connect()
             if client.uses_shared_memory != (name == "local"):
                 raise BenchError(f"the {name} client did not get the {name} path")
-        raw = await connect("127.0.0.1", raw_port)
         for size in sizes:
-            src, dst = Blocks(blocks, size), Blocks(blocks, size)
-            src.fill_random(seed=size)
-            nbytes = src.nbytes
-            entry: dict[str, Any] = {"size": size, "size_label": format_size(size), "blocks": blocks,
-                                     "bytes_per_op": nbytes}
-            log(f"{format_size(size)} x {blocks}: memcpy")
-            entry["memcpy"] = {"copy": _rates(bench_memcpy(src, dst, runs, warmup), nbytes)}
-            log(f"{format_size(size)} x {blocks}: raw ucxx")
-            put, read, ok = await bench_raw(raw, src, dst, runs, warmup)
-            entry["raw_ucxx"] = {"put": _rates(put, nbytes), "read": _rates(read, nbytes), "verified": ok}
+            src, dst = buffers(size)
             for name, client in clients.items():
                 log(f"{format_size(size)} x {blocks}: dKV {name}")
                 put, read, ok = await bench_path(client, src, dst, runs, warmup)
-                entry[name] = {"put": _rates(put, nbytes), "read": _rates(read, nbytes), "verified": ok}
+                entries[size][name] = {"put": _rates(put, src.nbytes), "read": _rates(read, src.nbytes),
+                                       "verified": ok}
             await clients["local"].clear()
-            entry["ratios"] = _ratios(entry)
-            results.append(entry)
             del src, dst
-        await raw.send_message({"op": "bye"}, OP_TIMEOUT)
     finally:
         if raw is not None:
-            await raw.close()
+            raw.abort()
         for client in clients.values():
             await client.close()
         await stop_progress()
-    return results
+    for entry in entries.values():
+        entry["ratios"] = _ratios(entry)
+    return [entries[size] for size in sizes]
 
 
 def _ratios(entry: dict[str, Any]) -> dict[str, float]:
@@ -504,7 +550,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from rich.console import Console
 
-    from cluster.process import NodeStartError, start_node
+    from cluster.process import NodeStartError
 
     err = Console(stderr=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks below
@@ -514,26 +560,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_start = list(os.getloadavg())
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="dkv-bench-") as tmp:
-        workdir = Path(tmp)
-        node = child = None
+        procs = Processes(Path(tmp))
         try:
-            err.log(f"starting node (pool {format_size(pool)}) and raw ucxx server")
-            node = start_node(pool=str(pool), listen="127.0.0.1:0", workdir=workdir / "node")
-            child = RawChild(workdir)
-            results = asyncio.run(run_all(node.address, child.port, args.size_list, args.blocks, args.repeat,
-                                          args.warmup, lambda msg: err.log(msg)))
+            results = asyncio.run(run_all(procs, args.size_list, args.blocks, args.repeat, args.warmup, pool,
+                                          lambda msg: err.log(msg)))
         except (DKVError, BenchError, NodeStartError) as exc:
             err.print(f"[bold red]benchmark failed:[/] {type(exc).__name__}: {exc}")
-            if node is not None:
-                err.print(f"node log tail:\n{node.log_tail()}")
-            if child is not None:
-                err.print(f"raw server log tail:\n{child.log_tail()}")
+            if procs.node is not None:
+                err.print(f"node log tail:\n{procs.node.log_tail()}")
+            if procs.child is not None:
+                err.print(f"raw server log tail:\n{procs.child.log_tail()}")
             return 2
         finally:
-            if child is not None:
-                child.stop()
-            if node is not None:
-                node.stop()
+            procs.stop_all()
 
     print_report(results, args.repeat, args.warmup, args.blocks)
     Console().print(f"nproc {os.cpu_count()}, load average at start {load_start[0]:.2f}, "

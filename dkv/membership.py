@@ -1,0 +1,173 @@
+"""A node's membership in etcd: one lease, the member key on it, kept alive, re-made when lost.
+
+Registration is create-if-absent: a second live node with the same id is
+refused (:class:`NodeIdTaken`). The lease is kept alive every TTL/3; if etcd
+says the lease is gone, or no keep-alive succeeded for a whole TTL (an etcd
+outage longer than the TTL), the node counts the lease as lost and
+re-registers as soon as etcd answers: a new epoch, a new lease, and its
+directory entries republished (``on_new_lease``). While etcd is unreachable the
+node keeps serving; only the directory waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from etcd3aio import Etcd3Client
+
+from dkv.errors import ClusterError, NodeIdTaken
+from dkv.etcd import DEFAULT_ETCD_TIMEOUT, Layout, MemberRecord
+
+log = logging.getLogger(__name__)
+
+
+class Membership:
+    """Registers a node and keeps its lease; see the module docstring for the contract."""
+
+    def __init__(
+        self,
+        client: Etcd3Client,
+        layout: Layout,
+        node_id: str,
+        record: Callable[[], MemberRecord],
+        *,
+        ttl: int = 10,
+        on_new_lease: Callable[[int], Awaitable[None]] | None = None,
+        on_lease_lost: Callable[[], None] | None = None,
+        timeout: float = DEFAULT_ETCD_TIMEOUT,
+    ) -> None:
+        self.client = client
+        self.layout = layout
+        self.node_id = node_id
+        self.ttl = max(2, int(ttl))
+        self._record = record
+        self._on_new_lease = on_new_lease
+        self._on_lease_lost = on_lease_lost
+        self.timeout = timeout
+        self.lease_id: int | None = None
+        self._stale_lease: int | None = None
+        self.registrations = 0
+        self.lease_losses = 0
+        self._last_ok = 0.0
+        self._last_value = ""
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def key(self) -> str:
+        return self.layout.node_key(self.node_id)
+
+    async def start(self) -> None:
+        """Register and start keeping alive.
+
+        Raises :class:`NodeIdTaken` if the id is live elsewhere, :class:`ClusterError`
+        if etcd cannot be reached.
+        """
+        try:
+            await self._register()
+        except NodeIdTaken:
+            raise
+        except Exception as exc:
+            raise ClusterError(f"cannot register in etcd: {type(exc).__name__}: {exc}") from exc
+        self._task = asyncio.create_task(self._keep_alive_forever(), name=f"dkv-membership-{self.node_id}")
+
+    async def stop(self) -> None:
+        """Stop keeping alive and revoke the lease, so the member key and entries vanish now."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if self.lease_id is not None:
+            with contextlib.suppress(Exception):
+                await self.client.lease.revoke(self.lease_id, timeout=self.timeout)
+            self.lease_id = None
+
+    async def _register(self) -> None:
+        grant = await self.client.lease.grant(self.ttl, timeout=self.timeout)
+        value = self._record().to_json()
+        kv = self.client.kv
+        txn = await kv.txn(
+            compare=[kv.txn_compare_create_revision(self.key, 0)],
+            success=[kv.txn_op_put(self.key, value, lease=grant.ID)],
+            failure=[kv.txn_op_get(self.key)],
+            timeout=self.timeout,
+        )
+        if not txn.succeeded:
+            holder = txn.responses[0].response_range.kvs
+            with contextlib.suppress(Exception):
+                await self.client.lease.revoke(grant.ID, timeout=self.timeout)
+            detail = MemberRecord.from_json(holder[0].value) if holder else None
+            raise NodeIdTaken(
+                f"node id {self.node_id!r} is already registered in cluster {self.layout.cluster!r}"
+                + (f" by a live node at {detail.address} (epoch {detail.epoch})" if detail else "")
+            )
+        self.lease_id = grant.ID
+        self._last_ok = time.monotonic()
+        self._last_value = value
+        self.registrations += 1
+        log.info("registered %s with lease %x (ttl %ds)", self.key, grant.ID, self.ttl)
+
+    async def _keep_alive_once(self) -> int:
+        assert self.lease_id is not None
+        call = self.client.lease.keep_alive(self.lease_id)
+        try:
+            async with asyncio.timeout(self.timeout):
+                async for response in call:
+                    return int(response.TTL)
+        finally:
+            call.cancel()
+        return 0
+
+    async def _keep_alive_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.ttl / 3)
+            try:
+                if self.lease_id is None:
+                    await self._reregister()
+                    continue
+                if await self._keep_alive_once() <= 0:
+                    self._lose_lease("etcd reports the lease expired")
+                    await self._reregister()
+                    continue
+                self._last_ok = time.monotonic()
+                await self._refresh_record()
+            except asyncio.CancelledError:
+                raise
+            except NodeIdTaken as exc:
+                log.error("cannot re-register: %s", exc)
+            except Exception as exc:  # noqa: BLE001 - etcd outages must not stop the node
+                log.warning("etcd keep-alive failed: %s", exc)
+                if self.lease_id is not None and time.monotonic() - self._last_ok > self.ttl:
+                    self._lose_lease("no keep-alive succeeded for a whole TTL")
+
+    def _lose_lease(self, why: str) -> None:
+        log.warning("lease of %s lost: %s", self.key, why)
+        self._stale_lease, self.lease_id = self.lease_id, None
+        self.lease_losses += 1
+        if self._on_lease_lost is not None:
+            self._on_lease_lost()
+
+    async def _reregister(self) -> None:
+        if self._stale_lease is not None:
+            # etcd may have kept our old lease through its outage: end it, so its member
+            # key and entries cannot block the new registration or outlive it
+            with contextlib.suppress(Exception):  # "not found" is the usual answer
+                await self.client.lease.revoke(self._stale_lease, timeout=self.timeout)
+        await self._register()
+        self._stale_lease = None
+        if self._on_new_lease is not None and self.lease_id is not None:
+            await self._on_new_lease(self.lease_id)
+
+    async def _refresh_record(self) -> None:
+        value = self._record().to_json()
+        if value != self._last_value and self.lease_id is not None:
+            await self.client.kv.put(self.key, value, lease=self.lease_id, timeout=self.timeout)
+            self._last_value = value
+
+    async def refresh_now(self) -> None:
+        """Rewrite the member record now (after a change worth announcing)."""
+        with contextlib.suppress(Exception):
+            await self._refresh_record()
