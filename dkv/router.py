@@ -185,20 +185,43 @@ class Router:
         return {h for h in holders if h in self.members}
 
     def route(self, namespace: str, hashes: Sequence[bytes], *, exclude: Sequence[str] = ()) -> Route:
-        """The live peer holding the longest prefix of ``hashes`` (see module docstring)."""
+        """The live peer holding the longest prefix of ``hashes`` (see module docstring).
+
+        Cost: a full hit is one lookup; a request whose first ``k`` hashes
+        nobody announced (``k`` = the largest ``publish_every`` among members)
+        is ``k`` lookups, since every run announces one of its first ``k``
+        blocks; anything else is one C-speed pass over the hashes.
+        """
         by_hash = self._index.get(namespace)
-        if by_hash and hashes:
-            found = list(map(by_hash.get, hashes))
-            members = self.members
-            for i in range(len(found) - 1, -1, -1):
-                holders = found[i]
-                if not holders:
-                    continue
-                live = [members[h] for h in holders if h in members and h not in exclude]
-                if live:
-                    best = min(live, key=lambda m: (m.host_used, m.node_id))
-                    return Route(best, i + 1, namespace, hashes)
-        return Route(None, 0, namespace, hashes)
+        n = len(hashes)
+        if not by_hash or not n:
+            return Route(None, 0, namespace, hashes)
+        best = self._best_holder(by_hash.get(hashes[-1]), exclude)
+        if best is not None:
+            return Route(best, n, namespace, hashes)
+        k = min(n, max((m.publish_every for m in self.members.values()), default=1))
+        if not any(map(by_hash.__contains__, hashes[:k])):
+            return Route(None, 0, namespace, hashes)
+        present = list(map(by_hash.__contains__, hashes))
+        present.reverse()
+        start = 1  # the last hash was tried above
+        while True:
+            try:
+                j = present.index(True, start)
+            except ValueError:
+                return Route(None, 0, namespace, hashes)
+            best = self._best_holder(by_hash.get(hashes[n - 1 - j]), exclude)
+            if best is not None:
+                return Route(best, n - j, namespace, hashes)
+            start = j + 1
+
+    def _best_holder(self, holders: set[str] | None, exclude: Sequence[str]) -> MemberRecord | None:
+        """Least used live holder, then smallest node id; ``None`` when no holder is live."""
+        if not holders:
+            return None
+        members = self.members
+        live = [members[h] for h in holders if h in members and h not in exclude]
+        return min(live, key=lambda m: (m.host_used, m.node_id)) if live else None
 
 
 class _Resync(Exception):

@@ -6,19 +6,72 @@ import asyncio
 import os
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
 
+from cluster.etcd_process import EtcdProcess, start_etcd
 from cluster.process import NodeProcess, start_node
 from dkv.client import NodeClient
 from dkv.server import ADMIN_NAMESPACE
 from dkv.transport import init_transport, open_connections, stop_progress
 
 NAMESPACE = "test/ns0"
+
+
+@dataclass
+class EtcdUnderTest:
+    """A real etcd for one test: its endpoint, a fresh key prefix, and the process (``None`` if external)."""
+
+    url: str
+    prefix: str
+    process: EtcdProcess | None
+
+    def node_args(self, node_id: str, *extra: str, ttl: int = 2) -> tuple[str, ...]:
+        """``dkv serve`` arguments joining this etcd under this test's prefix."""
+        return ("--etcd", self.url, "--etcd-prefix", self.prefix, "--node-id", node_id, "--etcd-ttl", str(ttl), *extra)
+
+    def cli_args(self) -> tuple[str, ...]:
+        return ("--etcd", self.url, "--etcd-prefix", self.prefix)
+
+
+@pytest.fixture(scope="session")
+def etcd_server() -> Iterator[EtcdProcess | None]:
+    """One etcd process for the session (data under /dev/shm), or ``None`` with ``DKV_TEST_ETCD`` set."""
+    if os.environ.get("DKV_TEST_ETCD"):
+        yield None
+        return
+    proc = start_etcd()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+async def etcd(etcd_server: EtcdProcess | None, request: pytest.FixtureRequest) -> AsyncIterator[EtcdUnderTest]:
+    """A fresh key prefix per test; at teardown (after the test's nodes stopped) the prefix must be empty."""
+    url = os.environ.get("DKV_TEST_ETCD") or (etcd_server.url if etcd_server else "")
+    prefix = f"/dkv-test/{uuid.uuid4().hex[:12]}"
+    under_test = EtcdUnderTest(url, prefix, etcd_server)
+    yield under_test
+    from dkv.etcd import make_client, prefix_end
+
+    client = make_client(url)
+    await client.connect()
+    try:
+        deadline = time.monotonic() + WAIT_BOUND
+        while True:
+            left = await client.kv.get(prefix + "/", range_end=prefix_end(prefix + "/"), keys_only=True, timeout=5)
+            if not left.kvs or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
+        assert not left.kvs, f"etcd keys left under {prefix}: {[kv.key for kv in left.kvs][:5]}"
+    finally:
+        await client.close()
 WAIT_BOUND = 20.0  # generous: these machines are shared and noisy
 
 
