@@ -215,6 +215,17 @@ class Router:
                 return Route(best, n - j, namespace, hashes)
             start = j + 1
 
+    def depth_of(self, node_id: str, namespace: str, hashes: Sequence[bytes]) -> int:
+        """How deep a prefix of ``hashes`` ``node_id`` announced (0 if none, or if it is not live)."""
+        by_hash = self._index.get(namespace)
+        if not by_hash or node_id not in self.members:
+            return 0
+        for i in range(len(hashes) - 1, -1, -1):
+            holders = by_hash.get(hashes[i])
+            if holders and node_id in holders:
+                return i + 1
+        return 0
+
     def _best_holder(self, holders: set[str] | None, exclude: Sequence[str]) -> MemberRecord | None:
         """Least used live holder, then smallest node id; ``None`` when no holder is live."""
         if not holders:

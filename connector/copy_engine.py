@@ -1,0 +1,97 @@
+"""Moves block rows between the engine's device tensors and host buffers.
+
+A device block is one row of a 2-D ``uint8`` tensor ``[pages, bytes_per_page]``.
+
+* **CPU tensors** (this machine, and tests): a row *is* host memory, so the
+  network reads straight into it and writes straight out of it — no staging.
+* **CUDA tensors**: loads land in pinned staging, then go host-to-device on the
+  engine's side stream, with completion tracked by a CUDA event; offloads go
+  device-to-host into pinned staging on that stream (after it waits for the
+  compute stream), and the bytes leave for the node once the event fires.
+
+The same calls serve both; only :meth:`CopyEngine.load_targets` and
+:meth:`CopyEngine.offload_sources` look at the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+
+class Completion(Protocol):
+    def is_done(self) -> bool: ...
+
+    def wait(self) -> None: ...
+
+
+class Done:
+    """A completion that has already happened (CPU copies)."""
+
+    def is_done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+
+class CudaEventCompletion:
+    """Completion of work queued on a CUDA stream, observed through an event (never blocks in ``is_done``)."""
+
+    def __init__(self, event: Any, keep_alive: Sequence[torch.Tensor] = ()) -> None:
+        self._event = event
+        self._keep_alive = list(keep_alive)  # staging must outlive the queued copies
+
+    def is_done(self) -> bool:
+        return bool(self._event.query())
+
+    def wait(self) -> None:
+        self._event.synchronize()
+
+
+def host_buffer(row: torch.Tensor) -> Any:
+    """A zero-copy buffer-protocol view of a contiguous CPU row."""
+    return row.numpy()
+
+
+class CopyEngine:
+    """Copies for one device (see module docstring)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+
+    def load_targets(self, rows: Sequence[torch.Tensor]) -> tuple[list[Any], Callable[[], Completion]]:
+        """Host buffers the network fills for ``rows``, and a function that finishes the copy.
+
+        Call the finisher once every buffer is filled (on any thread); it returns a
+        :class:`Completion` that turns done when the rows hold the bytes.
+        """
+        if self._stream is None:
+            return [host_buffer(r) for r in rows], Done
+        staging = [torch.empty(r.numel(), dtype=torch.uint8, pin_memory=True) for r in rows]
+
+        def finish() -> Completion:
+            with torch.cuda.stream(self._stream):
+                for row, host in zip(rows, staging):
+                    row.copy_(host, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+            return CudaEventCompletion(event, staging)
+
+        return [host_buffer(s) for s in staging], finish
+
+    def offload_sources(self, rows: Sequence[torch.Tensor]) -> tuple[list[Any], Completion]:
+        """Host buffers holding ``rows``' bytes once the returned completion is done."""
+        if self._stream is None:
+            return [host_buffer(r) for r in rows], Done()
+        staging = [torch.empty(r.numel(), dtype=torch.uint8, pin_memory=True) for r in rows]
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            for row, host in zip(rows, staging):
+                host.copy_(row, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return [host_buffer(s) for s in staging], CudaEventCompletion(event, staging)

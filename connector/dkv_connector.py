@@ -1,0 +1,714 @@
+"""``DKVConnector``: the seed's KVConnector protocol over dKV nodes.
+
+Who calls what (the seed, ``KVConnector-protocol.txt``, is the contract):
+
+* The engine's **scheduler thread** calls every member synchronously. No member
+  waits on a network there, except :meth:`DKVConnector.lookup`, which the
+  protocol makes synchronous; it is bounded by ``timeout`` and engines should
+  prefer :meth:`start_lookup` (``defers_lookup()`` is True).
+* The connector's **event-loop thread** (:class:`LoopThread`) runs every round
+  trip: leased lookups, reads, writes, touches, stats.
+
+Sources. A request's hint decides where blocks come from: a usable hint names
+a live peer (which may be the co-located node itself); no hint means the
+co-located node; an unusable hint is a miss on the peer path, counted by
+reason in :attr:`DKVConnector.counters`, and the lookup falls back to the
+co-located node. ``lookup`` and ``load`` must see the same hint (a different
+hint at ``load`` is refused). Offloads always go to the co-located node, which
+publishes a block only once its bytes are committed.
+
+Leases. A lookup pins what it reported on the source node. ``lookup()``'s
+lease is the replica's (``group = replica_idx``): the next lookup of the same
+replica ends it on that node, and the connector releases it itself when the
+next lookup goes elsewhere. Each ``start_lookup()`` handle holds its own lease
+until ``load_lookup`` (the read ends it), ``abandon_lookup``, or the node's TTL.
+A load whose lease would expire before the read is refused up front.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from connector.copy_engine import Completion, CopyEngine
+from connector.loop_thread import LoopThread
+from connector.types import (
+    ByteCount,
+    CompletedTransfer,
+    KVCacheMetrics,
+    KVLoadFailed,
+    KVLoadRefused,
+    LeafSpec,
+    metrics_fields,
+)
+from dkv.client import NodeClient
+from dkv.errors import DKVError
+from dkv.etcd import DEFAULT_CLUSTER, DEFAULT_PREFIX, Layout, MemberRecord, make_client
+from dkv.hints import UNKNOWN_PEER, UnusableHint, resolve_hint
+from dkv.keys import BlockKey, check_hash, check_hashes, check_namespace
+from dkv.router import Router
+
+log = logging.getLogger(__name__)
+
+Masks = dict[str, list[bool]]
+LEASE_MARGIN = 0.5  # seconds: a lease closer than this to expiry is not loaded from
+HANDLE_GROUPS = (1024, 1 << 20)  # node lease groups for start_lookup handles
+STATS_INTERVAL = 1.0
+
+
+@dataclass
+class _LeaseState:
+    """What a completed lookup found and holds."""
+
+    address: str  # node the lease lives on
+    lease_id: int | None
+    masks: Masks
+    hashes: list[bytes]
+    hint: bytes | None
+    expires_at: float
+    peer: bool  # True when the source is not the co-located node
+
+
+class DKVLookup:
+    """The handle :meth:`DKVConnector.start_lookup` returns.
+
+    ``is_complete()`` never blocks; ``result()`` gives the per-leaf masks once
+    complete (all False if the lookup failed: a failure is a miss, never an error).
+    """
+
+    def __init__(self, hashes: list[bytes], replica_idx: int, hint: bytes | None, group: int,
+                 future: concurrent.futures.Future[_LeaseState | None]) -> None:
+        self.block_hashes = hashes
+        self.replica_idx = replica_idx
+        self.hint = hint
+        self.group = group
+        self._future = future
+        self._leaves: Sequence[str] = ()
+        self.consumed = False
+
+    def is_complete(self) -> bool:
+        return self._future.done()
+
+    done = is_complete
+
+    def state(self) -> _LeaseState | None:
+        if not self._future.done() or self._future.cancelled() or self._future.exception() is not None:
+            return None
+        return self._future.result()
+
+    def result(self) -> Masks:
+        """The masks, exactly ``len(block_hashes)`` long per leaf. ``RuntimeError`` before completion."""
+        if not self._future.done():
+            raise RuntimeError("lookup has not completed: poll is_complete() first")
+        state = self.state()
+        if state is None:
+            return {leaf: [False] * len(self.block_hashes) for leaf in self._leaves}
+        return {leaf: list(mask) for leaf, mask in state.masks.items()}
+
+    @property
+    def masks(self) -> Masks:
+        return self.result()
+
+
+class _Transfer:
+    """A posted copy: a future on the loop thread, then maybe a device completion."""
+
+    def __init__(self, future: concurrent.futures.Future[Completion | None], *, is_load: bool,
+                 g0_blocks_per_leaf: Mapping[str, Sequence[int]] | None = None) -> None:
+        self._future = future
+        self._is_load = is_load
+        self._g0 = dict(g0_blocks_per_leaf or {})
+        self._error: BaseException | None = None
+        self._completion: Completion | None = None
+        self._landed = False
+
+    @property
+    def g0_blocks_per_leaf(self) -> Mapping[str, Sequence[int]]:
+        return self._g0
+
+    def is_complete(self) -> bool:
+        """Never blocks. A failed load raises :class:`KVLoadFailed`, on every poll."""
+        if self._landed:
+            return True
+        if self._error is not None:
+            raise KVLoadFailed(str(self._error)) from self._error
+        if not self._future.done():
+            return False
+        try:
+            self._completion = self._completion or self._future.result()
+        except BaseException as exc:  # noqa: BLE001 - reported as the protocol's failure type
+            if not self._is_load:
+                self._landed = True  # a failed offload stores nothing; the engine is not told
+                return True
+            self._error = exc
+            raise KVLoadFailed(f"load failed after it was posted: {exc}") from exc
+        if self._completion is not None and not self._completion.is_done():
+            return False
+        self._landed = True
+        return True
+
+    def synchronize(self) -> None:
+        """Block until the transfer settles (drain and shutdown only). Never raises."""
+        try:
+            completion = self._future.result()
+            if completion is not None:
+                completion.wait()
+        except BaseException:  # noqa: BLE001
+            pass
+
+
+@dataclass
+class ConnectorCounters:
+    """dKV's own counters (beyond the protocol's :class:`KVCacheMetrics`)."""
+
+    lookups: int = 0
+    lookup_failures: int = 0
+    blocks_reported: int = 0
+    hits_local: int = 0
+    hits_peer: int = 0
+    loads: int = 0
+    loads_refused: int = 0
+    loads_failed: int = 0
+    blocks_loaded: int = 0
+    offloads: int = 0
+    blocks_offloaded: int = 0
+    offloads_failed: int = 0
+    touches: int = 0
+    unusable_hints: Counter[str] = field(default_factory=Counter)
+
+
+class DKVConnector:
+    """KVConnector over dKV (see module docstring for threading, sources and leases)."""
+
+    def __init__(
+        self,
+        leaves: Mapping[str, LeafSpec],
+        device_blocks: Sequence[Mapping[str, Sequence[torch.Tensor]]],
+        *,
+        namespace: str,
+        node: str,
+        node_id: str | None = None,
+        etcd: str | None = None,
+        cluster: str = DEFAULT_CLUSTER,
+        etcd_prefix: str = DEFAULT_PREFIX,
+        token: bytes | None = None,
+        timeout: float = 5.0,
+        local: bool | None = None,
+    ) -> None:
+        """Connect to the co-located node at ``node`` and, with ``etcd``, follow the cluster.
+
+        ``device_blocks[replica][leaf][shard]`` is a 2-D ``uint8`` tensor
+        ``[pages, bytes_per_page]`` whose rows are the block ids ``load`` and
+        ``offload`` name. ``node_id`` is the co-located node's id in the
+        cluster (learned from the node when omitted).
+        """
+        self._leaves = dict(leaves)
+        self._validate_blocks(device_blocks)
+        self._blocks = [dict(replica) for replica in device_blocks]
+        self.namespace = check_namespace(namespace)
+        self.node_address = node
+        self.timeout = timeout
+        self._token = token
+        self._local_path = local
+        self._etcd = etcd
+        self._layout = Layout(cluster, etcd_prefix) if etcd else None
+        self.counters = ConnectorCounters()
+        self._metrics = KVCacheMetrics()
+        self._metrics_lock = threading.Lock()
+        self._host_bytes = ByteCount(free=0, total=0)
+        self._disk_bytes = ByteCount(free=0, total=0)
+        self._last_lookup: dict[int, _LeaseState] = {}
+        self._transfers: list[_Transfer] = []
+        self._handle_groups = itertools.cycle(range(*HANDLE_GROUPS))
+        self._clients: dict[str, NodeClient] = {}
+        self._router: Router | None = None
+        self._etcd_client: Any = None
+        self._closed = False
+        devices = {t.device for replica in self._blocks for shards in replica.values() for t in shards}
+        self._copy = {d: CopyEngine(d) for d in devices}
+        self._loop = LoopThread()
+        try:
+            self.node_id = self._loop.run(self._start(node_id), timeout + 10)
+        except BaseException:
+            self._loop.run(self._close_clients(), timeout)
+            self._loop.stop()
+            raise
+
+    # ---- set-up -------------------------------------------------------------------------------
+
+    def _validate_blocks(self, device_blocks: Sequence[Mapping[str, Sequence[torch.Tensor]]]) -> None:
+        if not device_blocks:
+            raise ValueError("device_blocks needs at least one replica")
+        shard_counts = {spec.tp_shards for spec in self._leaves.values()}
+        if len(shard_counts) != 1:
+            raise ValueError(f"every leaf must have the same TP shard count, got {sorted(shard_counts)}")
+        self._tp_shards = shard_counts.pop()
+        for replica in device_blocks:
+            if set(replica) != set(self._leaves):
+                raise ValueError(f"device_blocks leaves {sorted(replica)} differ from leaves {sorted(self._leaves)}")
+            for leaf, shards in replica.items():
+                if len(shards) != self._leaves[leaf].tp_shards:
+                    raise ValueError(f"leaf {leaf!r}: {len(shards)} shard tensors for tp_shards="
+                                     f"{self._leaves[leaf].tp_shards}")
+                for t in shards:
+                    if t.dtype != torch.uint8 or t.dim() != 2 or not t.is_contiguous():
+                        raise ValueError(f"leaf {leaf!r}: device blocks must be contiguous 2-D uint8 tensors")
+
+    async def _start(self, node_id: str | None) -> str:
+        local = self._client(self.node_address)
+        info = await local.connect()
+        if self._etcd:
+            self._etcd_client = make_client(self._etcd)
+            await self._etcd_client.connect()
+            assert self._layout is not None
+            self._router = Router(self._etcd_client, self._layout)
+            await self._router.start()
+        self._stats_task = asyncio.create_task(self._refresh_stats_forever(), name="dkv-connector-stats")
+        return node_id or info.node_id
+
+    def _client(self, address: str) -> NodeClient:
+        client = self._clients.get(address)
+        if client is None:
+            client = NodeClient(address, self.namespace, token=self._token, timeout=self.timeout,
+                                local=self._local_path)
+            self._clients[address] = client
+        return client
+
+    async def _refresh_stats_forever(self) -> None:
+        while True:
+            try:
+                stats = await self._client(self.node_address).stats()
+                self._host_bytes = ByteCount(free=stats["host"]["free"], total=stats["host"]["total"])
+                self._disk_bytes = ByteCount(free=stats["disk"]["free"], total=stats["disk"]["total"])
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - numbers go stale, nothing breaks
+                log.debug("node stats unavailable: %s", exc)
+            await asyncio.sleep(STATS_INTERVAL)
+
+    # ---- identity -----------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return "dkv"
+
+    @property
+    def leaves(self) -> Mapping[str, int]:
+        return {leaf: spec.group_id for leaf, spec in self._leaves.items()}
+
+    def defers_lookup(self, replica_idx: int = 0) -> bool:
+        """True: :meth:`start_lookup` returns before it answers (the answer is a round trip)."""
+        return True
+
+    # ---- sources and hints --------------------------------------------------------------------
+
+    def _source(self, hashes: Sequence[bytes], hint: bytes | None) -> tuple[str, bool]:
+        """``(node address, is_peer)`` for a request; an unusable hint is counted and means local."""
+        if hint is None:
+            return self.node_address, False
+        members: Mapping[str, MemberRecord] = self._router.members if self._router is not None else {}
+        try:
+            member = resolve_hint(hint, self.namespace, hashes, members)
+        except UnusableHint as exc:
+            self.counters.unusable_hints[exc.reason] += 1
+            return self.node_address, False
+        except Exception:  # noqa: BLE001 - a hint never raises into the engine
+            self.counters.unusable_hints[UNKNOWN_PEER] += 1
+            return self.node_address, False
+        if member is None or member.node_id == self.node_id:
+            return self.node_address, False
+        return member.address, True
+
+    # ---- lookups ------------------------------------------------------------------------------
+
+    async def _lookup_on(self, address: str, hashes: list[bytes], group: int, peer: bool,
+                         hint: bytes | None) -> _LeaseState:
+        client = self._client(address)
+        result = await client.lookup(hashes, list(self._leaves), self._tp_shards, lease=True, group=group)
+        ttl = float((client.info.limits if client.info else {}).get("lease_ttl", 10.0))
+        return _LeaseState(address, result.lease_id, result.masks, hashes, hint, time.monotonic() + ttl, peer)
+
+    def _empty_masks(self, n: int) -> Masks:
+        return {leaf: [False] * n for leaf in self._leaves}
+
+    def _count_lookup(self, state: _LeaseState | None) -> None:
+        self.counters.lookups += 1
+        if state is None:
+            self.counters.lookup_failures += 1
+            return
+        reported = sum(m.count(True) for m in state.masks.values())
+        self.counters.blocks_reported += reported
+        if reported:
+            if state.peer:
+                self.counters.hits_peer += 1
+            else:
+                self.counters.hits_local += 1
+
+    def lookup(self, block_hashes: Sequence[bytes], replica_idx: int = 0, hint: bytes | None = None) -> Masks:
+        """Presence per leaf (True only when every TP shard holds the block), leased for the next ``load``.
+
+        Blocks the calling thread for one round trip, bounded by ``timeout``; a
+        node that does not answer in time is a miss. Raises ``ValueError`` for a
+        hash that is not 8 or 32 bytes.
+        """
+        hashes = check_hashes(block_hashes)
+        self._check_replica(replica_idx)
+        address, peer = self._source(hashes, hint)
+        previous = self._last_lookup.pop(replica_idx, None)
+        if previous is not None and previous.address != address:
+            self._release(previous)
+        state: _LeaseState | None
+        try:
+            state = self._loop.run(self._lookup_on(address, hashes, replica_idx, peer, hint), self.timeout + 1)
+        except Exception as exc:  # noqa: BLE001 - a dead or slow node costs a miss
+            log.info("lookup on %s failed: %s", address, exc)
+            state = None
+        self._count_lookup(state)
+        if state is None:
+            return self._empty_masks(len(hashes))
+        self._last_lookup[replica_idx] = state
+        return {leaf: list(mask) for leaf, mask in state.masks.items()}
+
+    def start_lookup(self, block_hashes: Sequence[bytes], replica_idx: int = 0,
+                     hint: bytes | None = None) -> DKVLookup:
+        """Start a lookup and return at once; the handle holds its own lease once it answers."""
+        hashes = check_hashes(block_hashes)
+        self._check_replica(replica_idx)
+        address, peer = self._source(hashes, hint)
+        group = next(self._handle_groups)
+
+        async def run() -> _LeaseState | None:
+            try:
+                state = await self._lookup_on(address, hashes, group, peer, hint)
+            except Exception as exc:  # noqa: BLE001
+                log.info("lookup on %s failed: %s", address, exc)
+                state = None
+            self._count_lookup(state)
+            return state
+
+        try:
+            future = self._loop.submit(run())
+        except RuntimeError:
+            future = concurrent.futures.Future()
+            future.set_result(None)
+        handle = DKVLookup(hashes, replica_idx, hint, group, future)
+        handle._leaves = list(self._leaves)
+        return handle
+
+    def abandon_lookup(self, lookup: DKVLookup) -> None:
+        """Hand back a handle that will not be loaded from. Never raises, on any handle state."""
+        try:
+            if not isinstance(lookup, DKVLookup) or lookup.consumed:
+                return
+            lookup.consumed = True
+            lookup._future.add_done_callback(lambda f: self._release_future(f))
+        except Exception:  # noqa: BLE001
+            log.debug("abandon_lookup ignored an error", exc_info=True)
+
+    def _release_future(self, future: concurrent.futures.Future[_LeaseState | None]) -> None:
+        try:
+            if not future.cancelled() and future.exception() is None and future.result() is not None:
+                self._release(future.result())
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _release(self, state: _LeaseState) -> None:
+        """End a lease on its node, fire-and-forget."""
+        if state.lease_id is None or self._closed:
+            return
+        client = self._client(state.address)
+
+        async def run() -> None:
+            try:
+                await client.release(state.lease_id)  # type: ignore[arg-type]
+            except Exception as exc:  # noqa: BLE001
+                log.debug("lease release failed: %s", exc)
+
+        try:
+            self._loop.submit(run())
+        except RuntimeError:
+            pass
+
+    # ---- loads --------------------------------------------------------------------------------
+
+    def load(self, block_ids: Mapping[str, Sequence[int]], block_hashes: Mapping[str, Sequence[bytes]],
+             replica_idx: int = 0, hint: bytes | None = None) -> Any:
+        """Load exactly these blocks, all or nothing, out of the replica's last ``lookup()``."""
+        state = self._last_lookup.pop(replica_idx, None)
+        return self._load(state, block_ids, block_hashes, replica_idx, hint)
+
+    def load_lookup(self, lookup: DKVLookup, block_ids: Mapping[str, Sequence[int]],
+                    block_hashes: Mapping[str, Sequence[bytes]], replica_idx: int = 0,
+                    hint: bytes | None = None) -> Any:
+        """Load out of what ``lookup`` found; consumes the handle however this exits."""
+        if not isinstance(lookup, DKVLookup) or lookup.consumed:
+            raise KVLoadRefused("lookup handle was already consumed or is not a dKV handle")
+        lookup.consumed = True
+        state = lookup.state()
+        if not lookup.is_complete():
+            self._abandon_later(lookup)
+            raise KVLoadRefused("lookup has not completed")
+        if state is not None and (lookup.replica_idx != replica_idx or lookup.hint != hint):
+            self._release(state)
+            raise KVLoadRefused("load_lookup must use the lookup's replica and hint")
+        return self._load(state, block_ids, block_hashes, replica_idx, hint)
+
+    def _abandon_later(self, lookup: DKVLookup) -> None:
+        lookup._future.add_done_callback(lambda f: self._release_future(f))
+
+    def _load(self, state: _LeaseState | None, block_ids: Mapping[str, Sequence[int]],
+              block_hashes: Mapping[str, Sequence[bytes]], replica_idx: int, hint: bytes | None) -> Any:
+        self._check_replica(replica_idx)
+        plan = self._plan(block_ids, block_hashes, replica_idx)
+        if not plan:
+            if state is not None:
+                self._release(state)
+            return CompletedTransfer()
+        try:
+            self._check_covered(state, plan, hint)
+        except KVLoadRefused:
+            self.counters.loads_refused += 1
+            if state is not None:
+                self._release(state)
+            raise
+        assert state is not None
+        keys = [BlockKey(leaf, shard, h) for leaf, shard, h, _row in plan]
+        rows = [row for *_k, row in plan]
+        try:
+            future = self._loop.submit(self._read(state, keys, rows))
+        except Exception as exc:
+            self.counters.loads_failed += 1
+            raise KVLoadFailed(f"could not post the load: {exc}") from exc
+        self.counters.loads += 1
+        transfer = _Transfer(future, is_load=True)
+        self._transfers.append(transfer)
+        return transfer
+
+    def _plan(self, block_ids: Mapping[str, Sequence[int]], block_hashes: Mapping[str, Sequence[bytes]],
+              replica_idx: int) -> list[tuple[str, int, bytes, torch.Tensor]]:
+        """``(leaf, shard, hash, device row)`` for every block to move; ``ValueError`` on bad input."""
+        plan = []
+        for leaf, ids in block_ids.items():
+            if leaf not in self._leaves:
+                raise ValueError(f"unknown leaf {leaf!r}")
+            hashes = block_hashes.get(leaf, ())
+            if len(ids) != len(hashes):
+                raise ValueError(f"leaf {leaf!r}: {len(ids)} block ids for {len(hashes)} hashes")
+            shards = self._blocks[replica_idx][leaf]
+            pages = shards[0].shape[0]
+            for block_id, block_hash in zip(ids, hashes):
+                check_hash(block_hash)
+                if not 0 < int(block_id) < pages:
+                    raise ValueError(f"leaf {leaf!r}: block id {block_id} outside 1..{pages - 1}")
+                for shard, tensor in enumerate(shards):
+                    plan.append((leaf, shard, bytes(block_hash), tensor[int(block_id)]))
+        return plan
+
+    def _check_covered(self, state: _LeaseState | None, plan: list[tuple[str, int, bytes, torch.Tensor]],
+                       hint: bytes | None) -> None:
+        if state is None:
+            raise KVLoadRefused("no completed lookup precedes this load (or it found nothing)")
+        if state.hint != hint:
+            raise KVLoadRefused("load must carry the same hint as its lookup")
+        if state.lease_id is None:
+            raise KVLoadRefused("the lookup holds no lease")
+        if time.monotonic() > state.expires_at - LEASE_MARGIN:
+            raise KVLoadRefused("the lookup's lease expired before the load")
+        reported = {leaf: {h for h, ok in zip(state.hashes, mask) if ok} for leaf, mask in state.masks.items()}
+        for leaf, _shard, block_hash, _row in plan:
+            if block_hash not in reported.get(leaf, ()):
+                raise KVLoadRefused(f"leaf {leaf!r}: block was not reported by the lookup", leaf, block_hash)
+
+    async def _read(self, state: _LeaseState, keys: list[BlockKey], rows: list[torch.Tensor]) -> Completion:
+        copy = self._copy[rows[0].device]
+        targets, finish = copy.load_targets(rows)
+        try:
+            await self._client(state.address).read(state.lease_id, keys, targets)  # type: ignore[arg-type]
+        except Exception:
+            self.counters.loads_failed += 1
+            raise
+        nbytes = sum(int(r.numel()) for r in rows)
+        self.counters.blocks_loaded += len(keys)
+        with self._metrics_lock:
+            self._metrics.h2d_bytes_copied += nbytes
+        return finish()
+
+    # ---- offloads -----------------------------------------------------------------------------
+
+    def offload(self, block_ids: Mapping[str, Sequence[int]], block_hashes: Mapping[str, Sequence[bytes]],
+                replica_idx: int = 0) -> Any:
+        """Copy device blocks to the co-located node; published there once their bytes are in.
+
+        The returned transfer's ``g0_blocks_per_leaf`` are the device blocks to
+        keep pinned until it completes. A failed offload completes without
+        raising (the blocks are simply not stored) and is counted.
+        """
+        self._check_replica(replica_idx)
+        plan = self._plan(block_ids, block_hashes, replica_idx)
+        if not plan or self._closed:
+            return CompletedTransfer()
+        keys = [BlockKey(leaf, shard, h) for leaf, shard, h, _row in plan]
+        rows = [row for *_k, row in plan]
+        sources, ready = self._copy[rows[0].device].offload_sources(rows)
+
+        async def run() -> None:
+            while not ready.is_done():
+                await asyncio.sleep(0.0005)
+            try:
+                result = await self._client(self.node_address).write(keys, sources)
+            except Exception:
+                self.counters.offloads_failed += 1
+                raise
+            self.counters.blocks_offloaded += result.stored
+            with self._metrics_lock:
+                self._metrics.d2h_bytes_copied += sum(int(r.numel()) for r in rows)
+            return None
+
+        pinned = {leaf: list(ids) for leaf, ids in block_ids.items() if ids}
+        try:
+            future = self._loop.submit(run())
+        except RuntimeError:
+            return CompletedTransfer()
+        self.counters.offloads += 1
+        transfer = _Transfer(future, is_load=False, g0_blocks_per_leaf=pinned)
+        self._transfers.append(transfer)
+        return transfer
+
+    # ---- recency, pricing, housekeeping -------------------------------------------------------
+
+    def touch(self, block_hashes: Sequence[bytes], replica_idx: int = 0) -> None:
+        """Refresh recency of device-served blocks (the whole chain from its root). Never raises."""
+        try:
+            hashes = check_hashes(block_hashes)
+            if not hashes or self._closed:
+                return
+            client = self._client(self.node_address)
+            leaves = list(self._leaves)
+
+            async def run() -> None:
+                try:
+                    await client.touch(hashes, leaves, self._tp_shards)
+                except Exception as exc:  # noqa: BLE001 - a missed touch costs a later refetch at most
+                    log.debug("touch failed: %s", exc)
+
+            self._loop.submit(run())
+            self.counters.touches += 1
+        except Exception:  # noqa: BLE001
+            log.debug("touch ignored an error", exc_info=True)
+
+    def probe(self, block_hashes: Sequence[bytes], replica_idxs: Sequence[int],
+              hint: bytes | None = None) -> Sequence[Mapping[str, Sequence[bool]]] | None:
+        """What each replica could load, from the directory index, without leases.
+
+        The external tier is replica-agnostic, so every replica gets the same
+        answer (one shared mapping). ``None`` when there is no directory to
+        answer from (no etcd configured).
+        """
+        if self._router is None:
+            return None
+        hashes = check_hashes(block_hashes)
+        address, peer = self._source(hashes, hint)
+        node_id = self.node_id
+        if peer:
+            node_id = next((m.node_id for m in self._router.members.values() if m.address == address), node_id)
+        depth = self._router.depth_of(node_id, self.namespace, hashes)
+        mask = [True] * depth + [False] * (len(hashes) - depth)
+        answer = {leaf: mask for leaf in self._leaves}
+        return [answer for _ in replica_idxs]
+
+    def poll_transfers(self) -> None:
+        """Drop settled transfers from the books. Cheap, non-blocking, never raises."""
+        try:
+            self._transfers = [t for t in self._transfers if not t._future.done()]
+        except Exception:  # noqa: BLE001
+            pass
+
+    @property
+    def metrics(self) -> Any:
+        with self._metrics_lock:
+            return KVCacheMetrics(**{f: getattr(self._metrics, f) for f in metrics_fields()})
+
+    def take_metrics(self) -> Any:
+        """Read and clear the per-batch transfer counters."""
+        with self._metrics_lock:
+            taken, self._metrics = self._metrics, KVCacheMetrics()
+        return taken
+
+    @property
+    def host_byte_count(self) -> Any:
+        return self._host_bytes
+
+    @property
+    def disk_byte_count(self) -> Any:
+        return self._disk_bytes
+
+    def reset_prefix_cache(self) -> None:
+        """Drop this namespace's unpinned blocks on the co-located node (fire-and-forget). Never raises."""
+        try:
+            client = self._client(self.node_address)
+
+            async def run() -> None:
+                try:
+                    await client.clear()
+                except Exception as exc:  # noqa: BLE001
+                    log.debug("reset_prefix_cache failed: %s", exc)
+
+            self._loop.submit(run())
+        except Exception:  # noqa: BLE001
+            pass
+
+    def shutdown(self) -> None:
+        """Drain transfers (bounded), release leases, close connections, stop the loop. Never raises."""
+        if self._closed:
+            return
+        try:
+            deadline = time.monotonic() + self.timeout * 2
+            for transfer in list(self._transfers):
+                try:
+                    transfer._future.result(max(0.0, deadline - time.monotonic()))
+                except BaseException:  # noqa: BLE001
+                    pass
+            for state in list(self._last_lookup.values()):
+                self._release(state)
+            self._last_lookup.clear()
+            self._closed = True
+            self._loop.run(self._close_clients(), self.timeout + 5)
+        except Exception:  # noqa: BLE001
+            log.debug("shutdown ignored an error", exc_info=True)
+        finally:
+            self._closed = True
+            self._loop.stop()
+
+    async def _close_clients(self) -> None:
+        task = getattr(self, "_stats_task", None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        if self._router is not None:
+            await self._router.stop()
+        await asyncio.gather(*(c.close() for c in self._clients.values()), return_exceptions=True)
+        if self._etcd_client is not None:
+            try:
+                await self._etcd_client.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _check_replica(self, replica_idx: int) -> None:
+        if not 0 <= replica_idx < len(self._blocks):
+            raise ValueError(f"replica_idx {replica_idx} outside 0..{len(self._blocks) - 1}")
+
+    def __repr__(self) -> str:
+        return f"DKVConnector(node={self.node_address!r}, namespace={self.namespace!r}, leaves={list(self._leaves)})"
+
+
+__all__ = ["DKVConnector", "DKVLookup", "DKVError"]

@@ -1,0 +1,156 @@
+"""The seed protocol's types, named as in ``KVConnector-protocol.txt``.
+
+When Modular MAX (package ``max``) is importable, the exception types, the byte
+count, the metrics type and ``CompletedTransfer`` are MAX's own, so that MAX's
+KV cache manager catches what this connector raises and reads what it returns.
+Otherwise dKV's own definitions below stand in, with the same names and
+fields. This module is the one place that adaptation lives.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Protocol, runtime_checkable
+
+try:  # pragma: no cover - exercised only where MAX is installed
+    from max.nn.kv_cache.metrics import KVCacheMetrics as _MaxMetrics
+    from max.pipelines.kv_cache.kv_connector import ByteCount as _MaxByteCount
+    from max.pipelines.kv_cache.kv_connector import CompletedTransfer as _MaxCompleted
+    from max.pipelines.kv_cache.kv_connector import KVLoadFailed as _MaxLoadFailed
+    from max.pipelines.kv_cache.kv_connector import KVLoadRefused as _MaxLoadRefused
+
+    MAX_AVAILABLE = True
+except ImportError:
+    MAX_AVAILABLE = False
+
+
+if MAX_AVAILABLE:  # pragma: no cover
+    KVLoadRefused = _MaxLoadRefused
+    KVLoadFailed = _MaxLoadFailed
+    ByteCount = _MaxByteCount
+    KVCacheMetrics = _MaxMetrics
+    CompletedTransfer = _MaxCompleted
+else:
+
+    class KVLoadRefused(Exception):  # type: ignore[no-redef]
+        """A load that cannot move every block it was asked for, refused before anything moved.
+
+        ``leaf_id`` and ``block_hash`` name the missing block when one is to blame.
+        """
+
+        def __init__(self, message: str, leaf_id: str | None = None, block_hash: bytes | None = None) -> None:
+            super().__init__(message)
+            self.leaf_id = leaf_id
+            self.block_hash = block_hash
+
+    class KVLoadFailed(Exception):  # type: ignore[no-redef]
+        """A load whose copy failed: raised by ``load`` if posting failed, else by the transfer.
+
+        When it is raised, nothing writes into the destination blocks any more.
+        """
+
+    @dataclass(frozen=True, slots=True)
+    class ByteCount:  # type: ignore[no-redef]
+        """Occupancy of a tier in bytes; percentages are 0 when ``total`` is 0."""
+
+        free: int
+        total: int
+
+        @property
+        def used(self) -> int:
+            return self.total - self.free
+
+        @property
+        def used_pct(self) -> float:
+            return 100.0 * self.used / self.total if self.total else 0.0
+
+        @property
+        def free_pct(self) -> float:
+            return 100.0 * self.free / self.total if self.total else 0.0
+
+    @dataclass
+    class KVCacheMetrics:  # type: ignore[no-redef]
+        """Transfer metrics of the connector (MAX's field names)."""
+
+        input_tokens: int = 0
+        cache_tokens: int = 0
+        device_blocks_served: int = 0
+        h2d_bytes_copied: int = 0
+        d2h_bytes_copied: int = 0
+        cross_replica_blocks_copied: int = 0
+        cross_replica_bytes_copied: int = 0
+        disk_bytes_written: int = 0
+        disk_bytes_read: int = 0
+
+    class CompletedTransfer:  # type: ignore[no-redef]
+        """A transfer that left nothing in flight (nothing pinned, nothing to wait for)."""
+
+        def __init__(self, g0_blocks_per_leaf: Mapping[str, Sequence[int]] | None = None) -> None:
+            self._g0_blocks_per_leaf: Mapping[str, Sequence[int]] = g0_blocks_per_leaf or {}
+
+        @property
+        def g0_blocks_per_leaf(self) -> Mapping[str, Sequence[int]]:
+            return self._g0_blocks_per_leaf
+
+        def is_complete(self) -> bool:
+            return True
+
+        def synchronize(self) -> None:
+            return None
+
+
+def metrics_fields() -> list[str]:
+    """Names of the integer counters of :class:`KVCacheMetrics` (MAX's or ours)."""
+    return [f.name for f in fields(KVCacheMetrics)]
+
+
+@runtime_checkable
+class KVTransfer(Protocol):
+    """One transfer. ``is_complete`` never blocks, may raise :class:`KVLoadFailed`, and is safe to poll again."""
+
+    def is_complete(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+@runtime_checkable
+class KVConnectorTransfer(KVTransfer, Protocol):
+    """A transfer that reports the device blocks it keeps pinned until it lands."""
+
+    @property
+    def g0_blocks_per_leaf(self) -> Mapping[str, Sequence[int]]: ...
+
+
+class AttentionKind(enum.Enum):
+    FULL = "full"
+    SLIDING_WINDOW = "sliding_window"
+
+
+@dataclass(frozen=True)
+class LeafSpec:
+    """A leaf (one KV cache group as the connector sees it): its group id, attention shape and shards.
+
+    ``window`` is the sliding window in tokens (``None`` for full attention);
+    ``tp_shards`` is how many tensor-parallel shards hold a piece of each block.
+    """
+
+    group_id: int
+    kind: AttentionKind = AttentionKind.FULL
+    window: int | None = None
+    tp_shards: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind is AttentionKind.SLIDING_WINDOW and (self.window is None or self.window <= 0):
+            raise ValueError("a sliding-window leaf needs a positive window size")
+        if self.tp_shards < 1:
+            raise ValueError("tp_shards must be at least 1")
+
+
+def full_attention(group_id: int, tp_shards: int = 1) -> LeafSpec:
+    return LeafSpec(group_id, AttentionKind.FULL, None, tp_shards)
+
+
+def sliding_window(group_id: int, window: int, tp_shards: int = 1) -> LeafSpec:
+    return LeafSpec(group_id, AttentionKind.SLIDING_WINDOW, window, tp_shards)
