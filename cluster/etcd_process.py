@@ -75,6 +75,7 @@ class EtcdProcess:
                 self.proc.wait(timeout)
         if not keep_data:
             shutil.rmtree(self.data_dir, ignore_errors=True)
+            self.log_path.unlink(missing_ok=True)
 
     def restart(self) -> EtcdProcess:
         """Start etcd again on the same ports and data (after :meth:`stop` with ``keep_data``)."""

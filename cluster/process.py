@@ -57,6 +57,13 @@ class NodeProcess:
         except OSError:
             return ""
 
+    def pause(self) -> None:
+        """SIGSTOP: the node hangs (a peer that stops answering mid-transfer)."""
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.pid, signal.SIGCONT)
+
     def kill(self) -> None:
         """SIGKILL now (a crash, as a test wants it); the arena file stays until :meth:`stop`."""
         if self.alive():
@@ -66,6 +73,7 @@ class NodeProcess:
     def stop(self, timeout: float = STOP_TIMEOUT) -> int | None:
         """SIGTERM, wait, SIGKILL if needed; then remove anything left in /dev/shm. Returns the exit code."""
         if self.alive():
+            os.kill(self.pid, signal.SIGCONT)  # a paused node cannot handle SIGTERM
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout)

@@ -6,8 +6,10 @@ Who calls what (the seed, ``KVConnector-protocol.txt``, is the contract):
   waits on a network there, except :meth:`DKVConnector.lookup`, which the
   protocol makes synchronous; it is bounded by ``timeout`` and engines should
   prefer :meth:`start_lookup` (``defers_lookup()`` is True).
-* The connector's **event-loop thread** (:class:`LoopThread`) runs every round
-  trip: leased lookups, reads, writes, touches, stats.
+* The process's **UCX loop thread** (:func:`dkv.loop_thread.acquire_shared_loop`,
+  shared by every connector of the process) runs every round trip: leased
+  lookups, reads, writes, touches, stats. The connector owns the tasks it
+  starts there and cancels what is left of them at shutdown.
 
 Sources. A request's hint decides where blocks come from: a usable hint names
 a live peer (which may be the co-located node itself); no hint means the
@@ -41,7 +43,6 @@ from typing import Any
 import torch
 
 from connector.copy_engine import Completion, CopyEngine
-from connector.loop_thread import LoopThread
 from connector.types import (
     ByteCount,
     CompletedTransfer,
@@ -56,6 +57,7 @@ from dkv.errors import DKVError
 from dkv.etcd import DEFAULT_CLUSTER, DEFAULT_PREFIX, Layout, MemberRecord, make_client
 from dkv.hints import UNKNOWN_PEER, UnusableHint, resolve_hint
 from dkv.keys import BlockKey, check_hash, check_hashes, check_namespace
+from dkv.loop_thread import acquire_shared_loop, release_shared_loop
 from dkv.router import Router
 
 log = logging.getLogger(__name__)
@@ -236,12 +238,13 @@ class DKVConnector:
         self._closed = False
         devices = {t.device for replica in self._blocks for shards in replica.values() for t in shards}
         self._copy = {d: CopyEngine(d) for d in devices}
-        self._loop = LoopThread()
+        self._tasks: set[concurrent.futures.Future[Any]] = set()
+        self._loop = acquire_shared_loop()
         try:
             self.node_id = self._loop.run(self._start(node_id), timeout + 10)
         except BaseException:
-            self._loop.run(self._close_clients(), timeout)
-            self._loop.stop()
+            self._loop.run(self._close_clients(), timeout + 5)
+            release_shared_loop()
             raise
 
     # ---- set-up -------------------------------------------------------------------------------
@@ -285,7 +288,7 @@ class DKVConnector:
         return client
 
     async def _refresh_stats_forever(self) -> None:
-        while True:
+        while not self._closed:
             try:
                 stats = await self._client(self.node_address).stats()
                 self._host_bytes = ByteCount(free=stats["host"]["free"], total=stats["host"]["total"])
@@ -397,7 +400,7 @@ class DKVConnector:
             return state
 
         try:
-            future = self._loop.submit(run())
+            future = self._submit(run())
         except RuntimeError:
             future = concurrent.futures.Future()
             future.set_result(None)
@@ -435,7 +438,7 @@ class DKVConnector:
                 log.debug("lease release failed: %s", exc)
 
         try:
-            self._loop.submit(run())
+            self._submit(run())
         except RuntimeError:
             pass
 
@@ -485,7 +488,7 @@ class DKVConnector:
         keys = [BlockKey(leaf, shard, h) for leaf, shard, h, _row in plan]
         rows = [row for *_k, row in plan]
         try:
-            future = self._loop.submit(self._read(state, keys, rows))
+            future = self._submit(self._read(state, keys, rows))
         except Exception as exc:
             self.counters.loads_failed += 1
             raise KVLoadFailed(f"could not post the load: {exc}") from exc
@@ -576,7 +579,7 @@ class DKVConnector:
 
         pinned = {leaf: list(ids) for leaf, ids in block_ids.items() if ids}
         try:
-            future = self._loop.submit(run())
+            future = self._submit(run())
         except RuntimeError:
             return CompletedTransfer()
         self.counters.offloads += 1
@@ -601,7 +604,7 @@ class DKVConnector:
                 except Exception as exc:  # noqa: BLE001 - a missed touch costs a later refetch at most
                     log.debug("touch failed: %s", exc)
 
-            self._loop.submit(run())
+            self._submit(run())
             self.counters.touches += 1
         except Exception:  # noqa: BLE001
             log.debug("touch ignored an error", exc_info=True)
@@ -663,7 +666,7 @@ class DKVConnector:
                 except Exception as exc:  # noqa: BLE001
                     log.debug("reset_prefix_cache failed: %s", exc)
 
-            self._loop.submit(run())
+            self._submit(run())
         except Exception:  # noqa: BLE001
             pass
 
@@ -684,12 +687,23 @@ class DKVConnector:
             self._closed = True
             self._loop.run(self._close_clients(), self.timeout + 5)
         except Exception:  # noqa: BLE001
-            log.debug("shutdown ignored an error", exc_info=True)
+            log.warning("connector shutdown was not clean", exc_info=True)
         finally:
             self._closed = True
-            self._loop.stop()
+            release_shared_loop()
+
+    def _submit(self, coro: Any) -> concurrent.futures.Future[Any]:
+        """Run ``coro`` on the UCX loop as a task this connector owns (cancelled at shutdown)."""
+        future = self._loop.submit(coro)
+        self._tasks.add(future)
+        future.add_done_callback(self._tasks.discard)
+        return future
 
     async def _close_clients(self) -> None:
+        owned = [f for f in list(self._tasks) if not f.done()]
+        for future in owned:
+            future.cancel()
+        await asyncio.gather(*(asyncio.wrap_future(f) for f in owned), return_exceptions=True)
         task = getattr(self, "_stats_task", None)
         if task is not None:
             task.cancel()

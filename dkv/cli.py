@@ -319,7 +319,8 @@ def watch(etcd: EtcdOption, cluster: ClusterOption = "default", etcd_prefix: Pre
             done.set()
 
     async def follow(router: Any, client: Any) -> None:
-        print(f"watching cluster {cluster!r}: {len(router.members)} peer(s), {router.entries} entries", flush=True)
+        print(f"watching cluster {cluster!r}: {len(router.members)} peer(s), {router.entries} entries",
+              file=sys.stderr if as_json else sys.stdout, flush=True)
         try:
             await asyncio.wait_for(done.wait(), duration or None)
         except asyncio.TimeoutError:

@@ -160,8 +160,9 @@ class NodeClient:
         if self._closed:
             raise TransportError("client is closed")
         try:
-            await asyncio.wait_for(self._slots.acquire(), self.timeout)
-        except asyncio.TimeoutError as exc:
+            async with asyncio.timeout(self.timeout):
+                await self._slots.acquire()
+        except TimeoutError as exc:
             raise TransportError(f"no free connection to {self.address} within {self.timeout}s") from exc
         session = None
         try:
@@ -172,18 +173,23 @@ class NodeClient:
                 result = await fn(session)
             except RemoteError:
                 # an error reply leaves the stream in step: keep the connection (and the leases)
-                if not session.conn.closed:
-                    self._idle.append(session)
+                self._return(session)
                 session = None
                 raise
-            if not session.conn.closed:
-                self._idle.append(session)
+            self._return(session)
             session = None
             return result
         finally:
             if session is not None:
                 session.conn.abort()
             self._slots.release()
+
+    def _return(self, session: _Session) -> None:
+        """Back to the pool; after :meth:`close` a session that comes back is closed instead."""
+        if self._closed:
+            session.conn.abort()
+        elif not session.conn.closed:
+            self._idle.append(session)
 
     async def _call(self, fn: Callable[[_Session], Awaitable[T]], *, idempotent: bool) -> T:
         if not idempotent or self.retries <= 1:

@@ -13,6 +13,7 @@ publishing epoch, so a reader can tell a stale entry from a fresh one.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -51,6 +52,36 @@ def prefix_end(prefix: str) -> bytes:
     raw = bytearray(prefix.encode())
     raw[-1] += 1
     return bytes(raw)
+
+
+RANGE_PAGE = 2000
+
+
+async def get_prefix(client: Etcd3Client, prefix: str, *, keys_only: bool = False,
+                     timeout: float = DEFAULT_ETCD_TIMEOUT, page: int = RANGE_PAGE) -> tuple[list[Any], int]:
+    """Every key-value under ``prefix`` at one revision, read in pages (a directory outgrows one gRPC message).
+
+    Returns ``(kvs, revision)``.
+    """
+    end = prefix_end(prefix)
+    start = prefix.encode()
+    revision = 0
+    kvs: list[Any] = []
+    while True:
+        response = await client.kv.get(start, range_end=end, revision=revision, limit=page,
+                                       keys_only=keys_only, timeout=timeout)
+        revision = revision or response.header.revision
+        kvs.extend(response.kvs)
+        if not response.more or not response.kvs:
+            return kvs, revision
+        start = response.kvs[-1].key + b"\0"
+
+
+def check_node_id(node_id: str) -> str:
+    """A node id: 1-64 characters of ``[A-Za-z0-9._-]`` (it is one etcd key component)."""
+    if not isinstance(node_id, str) or not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", node_id):
+        raise ConfigError(f"node id must be 1-64 characters of [A-Za-z0-9._-]: {node_id!r}")
+    return node_id
 
 
 def make_client(endpoints: str | Sequence[str], **tls: Any) -> Etcd3Client:

@@ -108,11 +108,13 @@ def parse_hint(raw: bytes | str) -> Hint:
             raw = raw.decode()
         except UnicodeDecodeError as exc:
             raise UnusableHint(UNPARSEABLE, "not UTF-8") from exc
-    if not isinstance(raw, str) or len(raw) > MAX_HINT_BYTES:
+    if not isinstance(raw, str):
         raise UnusableHint(UNPARSEABLE, "hint must be JSON text")
+    if len(raw) > MAX_HINT_BYTES // 4 and len(raw.encode(errors="replace")) > MAX_HINT_BYTES:
+        raise UnusableHint(UNPARSEABLE, "hint too large")
     try:
         doc = json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: absurdly nested JSON
         raise UnusableHint(UNPARSEABLE, "not JSON") from exc
     if not isinstance(doc, dict):
         raise UnusableHint(UNPARSEABLE, "not a JSON object")
@@ -123,8 +125,13 @@ def parse_hint(raw: bytes | str) -> Hint:
     raise UnusableHint(UNPARSEABLE, "neither the kv.fetch envelope nor MAX's instances form")
 
 
+def _is_int(value: object, expected: int) -> bool:
+    """``value == expected`` for a real int (JSON ``true`` is not version 1)."""
+    return type(value) is int and value == expected
+
+
 def _parse_envelope(doc: dict) -> Hint:
-    if doc.get("protocol_version") != ENVELOPE_VERSION:
+    if not _is_int(doc.get("protocol_version"), ENVELOPE_VERSION):
         raise UnusableHint(UNKNOWN_VERSION, f"envelope protocol_version {doc.get('protocol_version')!r}")
     actions = doc.get("actions")
     if not isinstance(actions, list):
@@ -136,7 +143,7 @@ def _parse_envelope(doc: dict) -> Hint:
         dkv = payload.get("dkv") if isinstance(payload, dict) else None
         if not isinstance(dkv, dict):
             continue  # a kv.fetch for another store
-        if dkv.get("version") != HINT_VERSION or action.get("action_version") != HINT_VERSION:
+        if not (_is_int(dkv.get("version"), HINT_VERSION) and _is_int(action.get("action_version"), HINT_VERSION)):
             raise UnusableHint(UNKNOWN_VERSION, f"dkv hint version {dkv.get('version')!r}")
         try:
             peer_id, epoch, namespace = dkv["peer_id"], dkv["epoch"], dkv["namespace"]
@@ -153,7 +160,7 @@ def _parse_envelope(doc: dict) -> Hint:
 
 
 def _parse_max(doc: dict) -> Hint:
-    if doc.get("version") != 2:
+    if not _is_int(doc.get("version"), 2):
         raise UnusableHint(UNKNOWN_VERSION, f"MAX hint version {doc.get('version')!r}")
     instances = doc.get("instances")
     if not isinstance(instances, list) or not instances:

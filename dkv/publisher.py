@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from etcd3aio import Etcd3Client
 
-from dkv.etcd import DEFAULT_ETCD_TIMEOUT, prefix_end, MAX_TXN_OPS, Layout
+from dkv.etcd import DEFAULT_ETCD_TIMEOUT, MAX_TXN_OPS, Layout, get_prefix
 from dkv.store import StoreKey
 
 log = logging.getLogger(__name__)
@@ -165,8 +165,9 @@ class DirectoryPublisher:
         backoff = self.flush_interval
         while True:
             try:
-                await asyncio.wait_for(self._wake.wait(), backoff)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(backoff):
+                    await self._wake.wait()
+            except TimeoutError:
                 pass
             self._wake.clear()
             try:
@@ -198,11 +199,9 @@ class DirectoryPublisher:
         self.counters.resyncs += 1
         self._needs_resync = False
         try:
-            response = await self.client.kv.get(
-                self.layout.blocks, range_end=prefix_end(self.layout.blocks), keys_only=True, timeout=self.timeout
-            )
+            kvs, _revision = await get_prefix(self.client, self.layout.blocks, keys_only=True, timeout=self.timeout)
             present: set[DirKey] = set()
-            for item in response.kvs:
+            for item in kvs:
                 parsed = self.layout.parse_block_key(item.key.decode())
                 if parsed is not None and parsed[2] == self.node_id:
                     present.add((parsed[0], parsed[1]))

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from etcd3aio import Etcd3Client
 
-from dkv.etcd import DEFAULT_ETCD_TIMEOUT, prefix_end, Layout, MemberRecord
+from dkv.etcd import DEFAULT_ETCD_TIMEOUT, Layout, MemberRecord, get_prefix, prefix_end
 from dkv.hints import build_hint
 
 log = logging.getLogger(__name__)
@@ -99,15 +99,14 @@ class Router:
         return True
 
     async def _load_snapshot(self) -> None:
-        response = await self.client.kv.get(self.layout.root, range_end=prefix_end(self.layout.root),
-                                            timeout=self.timeout)
+        kvs, revision = await get_prefix(self.client, self.layout.root, timeout=self.timeout)
         self.members.clear()
         self.lease_of.clear()
         self._index.clear()
         self._entries = 0
-        for item in response.kvs:
+        for item in kvs:
             self._apply(PUT, item.key.decode(), item.value, item.lease, quiet=True)
-        self.revision = response.header.revision
+        self.revision = revision
         self._synced.set()
 
     async def _follow(self) -> None:

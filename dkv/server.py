@@ -30,6 +30,7 @@ from dkv.arena import Arena
 from dkv.disk_tier import DiskTier
 from dkv.errors import ConfigError, DKVError, ProtocolError, RemoteError, TransportError
 from dkv.hostid import host_id
+from dkv.etcd import check_node_id
 from dkv.keys import check_namespace
 from dkv.presence import ClusterConfig, ClusterPresence, new_epoch
 from dkv.store import Store, StoreKey
@@ -76,6 +77,7 @@ class NodeConfig:
             raise ConfigError(
                 f"listening on {self.host} (beyond loopback) needs a cluster token: pass --token-file"
             )
+        check_node_id(self.node_id)
         if self.namespaces is not None:
             for ns in self.namespaces:
                 check_namespace(ns)

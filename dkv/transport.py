@@ -7,10 +7,10 @@ timeout or a transport error the endpoint is aborted *before* the error is
 raised, so no late UCX receive can land in a buffer the caller has already
 reused or freed.
 
-Progress mode: ``blocking`` (the worker's epoll fd on the asyncio loop). On the
-2-core machines here it moved 1 MiB messages about 4x faster over loopback than
-the default ``thread`` mode (0.98 vs 0.24 GB/s); override with
-``DKV_UCX_PROGRESS``.
+Progress mode: see :func:`init_transport`. UCX progress and request
+completion are bound to the loop that initialises UCX, so a process drives
+all its UCX work from one loop (a node's, or :mod:`dkv.loop_thread`'s shared
+one).
 """
 
 from __future__ import annotations
@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 10.0
 CONNECT_TIMEOUT = 5.0
+# How long closing an endpoint waits for UCX to confirm (ns). The close is forced, so
+# UCX cancels the endpoint's outstanding requests either way; waiting longer only
+# matters when another thread owns progress of the worker.
+CLOSE_PERIOD_NS = 200_000_000
 _initialised = False
 _live: set[Connection] = set()
 
@@ -43,23 +47,48 @@ def open_connections() -> int:
 
 
 def init_transport(progress_mode: str | None = None) -> None:
-    """Initialise UCX for this process once (idempotent)."""
+    """Initialise UCX for this process once (idempotent).
+
+    ``thread`` progress (the default) runs UCX progress in its own thread,
+    blocked in epoll when idle, and completes requests through Python futures
+    on the loop that initialised UCX: no busy-waiting. ucxx 0.52's ``blocking``
+    and ``polling`` modes complete requests by yielding in a loop, which keeps
+    a core busy for as long as any request is pending (an idle server always
+    has one); they stay available through ``DKV_UCX_PROGRESS`` for measurement.
+    """
     global _initialised
     if _initialised:
         return
-    ucxx.init(progress_mode=progress_mode or os.environ.get("DKV_UCX_PROGRESS", "blocking"))
+    mode = progress_mode or os.environ.get("DKV_UCX_PROGRESS", "thread")
+    threaded = mode.startswith("thread")
+    ucxx.init(
+        progress_mode=mode,
+        enable_python_future=threaded,
+        enable_delayed_submission=threaded and os.environ.get("DKV_UCX_DELAYED_SUBMISSION", "0") == "1",
+    )
     _initialised = True
 
 
 async def stop_progress() -> None:
-    """Cancel the UCX progress tasks bound to the running loop (before the loop closes)."""
+    """Stop driving UCX from the running loop, and shut UCX down for this process (idempotent).
+
+    Called by whoever owns the process's UCX loop as that loop ends (a node's
+    shutdown, the shared loop thread's, a CLI command's): the progress and
+    notifier threads are stopped, so the interpreter can exit.
+    """
+    global _initialised
     task = ProgressTasks.pop(asyncio.get_running_loop(), None)
-    if task is None:
-        return
     pending = [t for t in getattr(task, "_tasks", ()) if t is not None]
     for t in pending:
         t.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
+    if _initialised:
+        _initialised = False
+        try:
+            ucxx.reset()
+        except Exception as exc:  # noqa: BLE001 - endpoints still referenced: threads stop anyway
+            log.debug("UCX reset: %s", exc)
+            ucxx.stop_notifier_thread()
 
 
 class Connection:
@@ -72,6 +101,10 @@ class Connection:
         self._header = bytearray(HEADER_SIZE)
         self._closed = False
         _live.add(self)
+        if os.environ.get("DKV_DEBUG_LEAKS"):
+            import traceback
+
+            self.created_at = "".join(traceback.format_stack(limit=12))
 
     @property
     def closed(self) -> bool:
@@ -79,8 +112,11 @@ class Connection:
 
     async def _bounded(self, awaitable: Awaitable[Any], timeout: float, what: str) -> Any:
         try:
-            return await asyncio.wait_for(awaitable, timeout)
-        except asyncio.TimeoutError as exc:
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
+            # arrives as the inner await finishes, and a cancelled owner must always stop
+            async with asyncio.timeout(timeout):
+                return await awaitable
+        except TimeoutError as exc:
             self.abort()
             raise OpTimeout(f"{what} to {self.peer} timed out after {timeout:.1f}s") from exc
         except asyncio.CancelledError:
@@ -143,7 +179,7 @@ class Connection:
         ep, self._ep = self._ep, None
         if ep is not None:
             try:
-                ep.abort()
+                ep.abort(period=CLOSE_PERIOD_NS)
             except Exception as exc:  # noqa: BLE001 - closing must not raise
                 log.debug("abort of %s: %s", self.peer, exc)
 
@@ -156,11 +192,12 @@ class Connection:
         _live.discard(self)
         self._ep = None
         try:
-            await asyncio.wait_for(ep.close(), CONNECT_TIMEOUT)
+            async with asyncio.timeout(CONNECT_TIMEOUT):
+                await ep.close(period=CLOSE_PERIOD_NS)
         except Exception as exc:  # noqa: BLE001
             log.debug("close of %s: %s", self.peer, exc)
             try:
-                ep.abort()
+                ep.abort(period=CLOSE_PERIOD_NS)
             except Exception:  # noqa: BLE001
                 pass
 
@@ -173,10 +210,9 @@ async def connect(host: str, port: int, timeout: float = CONNECT_TIMEOUT) -> Con
     """Open a listener-path endpoint to ``host:port`` (peer-failure detection on)."""
     init_transport()
     try:
-        endpoint = await asyncio.wait_for(
-            ucxx.create_endpoint(host, port, endpoint_error_handling=True, connect_timeout=timeout), timeout
-        )
-    except asyncio.TimeoutError as exc:
+        async with asyncio.timeout(timeout):
+            endpoint = await ucxx.create_endpoint(host, port, endpoint_error_handling=True, connect_timeout=timeout)
+    except TimeoutError as exc:
         raise OpTimeout(f"connect to {host}:{port} timed out after {timeout:.1f}s") from exc
     except Exception as exc:
         raise TransportError(f"cannot connect to {host}:{port}: {type(exc).__name__}: {exc}") from exc

@@ -23,11 +23,18 @@ For each block size this measures, in one run and on one machine:
 cleared, untimed, before each one so nothing is "exists" and nothing is evicted); ``read``
 is a leased ``lookup()`` followed by ``read()`` of all blocks into preallocated page-aligned
 numpy buffers (both inside the timed interval). Every read (dKV and raw) is checked
-bit-exact against what was written; a mismatch makes the script exit with status 1.
+bit-exact against what was written; a mismatch makes the script exit with status 1 (an
+error exits 2, SIGINT/SIGTERM 130/143, always after stopping the node and the child).
 
 Throughput is GB/s (10**9 bytes/s) of block payload; best and median of ``--repeat`` runs
 (after ``--warmup`` untimed runs). Goals: same-host read >= 50% of aligned memcpy;
 listener read and put >= 80% of raw ucxx.
+
+Runs are interleaved (each round measures memcpy, raw ucxx, local, listener once) so that a
+ratio compares numbers from the same time window. In dKV's default ``blocking`` UCX progress
+mode an idle process that has seen a UCX event keeps spinning a core, so the server not being
+measured (node or raw child) is held with SIGSTOP meanwhile: every measurement then has exactly
+two active processes (or one, for memcpy), as it would on a real pair of peers.
 """
 
 from __future__ import annotations
@@ -132,6 +139,7 @@ async def _raw_server(portfile: Path) -> None:
     ``c2s`` answers ``ready``, receives N messages of S bytes into preallocated buffers
     (all recvs posted at once) and answers a framed ack; ``s2c`` sends those same buffers back.
     """
+    _die_with_parent()
     init_transport()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -199,6 +207,17 @@ async def _raw_server(portfile: Path) -> None:
         await stop_progress()
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent dies (it may be SIGSTOPped then, deaf to all else)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 class RawChild:
     """The ``--raw-server`` child process, killed by PID on :meth:`stop`."""
 
@@ -263,129 +282,122 @@ async def _raw_read(conn: Connection, dst: Blocks) -> float:
 # ---- measurements -------------------------------------------------------------------------------
 
 
-def bench_memcpy(src: Blocks, dst: Blocks, runs: int, warmup: int) -> list[float]:
-    samples = []
-    pairs = list(zip(src.blocks, dst.blocks))
-    for i in range(warmup + runs):
-        t0 = time.perf_counter()
-        for s, d in pairs:
-            np.copyto(d, s)
-        elapsed = time.perf_counter() - t0
-        if i >= warmup:
-            samples.append(elapsed)
-    return samples
+def memcpy_once(src: Blocks, dst: Blocks) -> float:
+    t0 = time.perf_counter()
+    for s, d in zip(src.blocks, dst.blocks):
+        np.copyto(d, s)
+    return time.perf_counter() - t0
 
 
-async def bench_raw(conn: Connection, src: Blocks, dst: Blocks, runs: int,
-                    warmup: int) -> tuple[list[float], list[float], bool]:
-    """Raw put then raw read per iteration (the read sends back what the put delivered)."""
-    put, read, verified = [], [], True
-    for i in range(warmup + runs):
-        put_s = await _raw_put(conn, src)
-        dst.buf.fill(0)
-        read_s = await _raw_read(conn, dst)
-        verified = verified and src.equals(dst)
-        if i >= warmup:
-            put.append(put_s)
-            read.append(read_s)
-    return put, read, verified
+async def raw_once(conn: Connection, src: Blocks, dst: Blocks) -> tuple[float, float, bool]:
+    """Raw put then raw read (the read sends back what the put delivered); seconds and bit-exactness."""
+    put_s = await _raw_put(conn, src)
+    dst.buf.fill(0)
+    read_s = await _raw_read(conn, dst)
+    return put_s, read_s, src.equals(dst)
 
 
-async def bench_path(client: Any, src: Blocks, dst: Blocks, runs: int,
-                     warmup: int) -> tuple[list[float], list[float], bool]:
-    """dKV put then read per iteration, fresh random 32-byte hashes each time."""
+async def dkv_once(client: Any, src: Blocks, dst: Blocks) -> tuple[float, float, bool]:
+    """dKV put then leased lookup + read, under fresh random 32-byte hashes; seconds and bit-exactness."""
     from dkv.keys import BlockKey
 
-    put, read, verified = [], [], True
-    for i in range(warmup + runs):
-        hashes = [secrets.token_bytes(32) for _ in range(src.count)]
-        keys = [BlockKey(LEAF, 0, h) for h in hashes]
-        await client.clear()  # untimed: room for this put without evicting inside it
+    hashes = [secrets.token_bytes(32) for _ in range(src.count)]
+    keys = [BlockKey(LEAF, 0, h) for h in hashes]
+    await client.clear()  # untimed: room for this put without evicting inside it
 
-        t0 = time.perf_counter()
-        result = await client.write(keys, src.blocks)
-        put_s = time.perf_counter() - t0
-        if result.stored != src.count:
-            raise BenchError(f"write stored {result.stored}/{src.count}: {collections.Counter(result.statuses)}")
+    t0 = time.perf_counter()
+    result = await client.write(keys, src.blocks)
+    put_s = time.perf_counter() - t0
+    if result.stored != src.count:
+        raise BenchError(f"write stored {result.stored}/{src.count}: {collections.Counter(result.statuses)}")
 
-        dst.buf.fill(0)
-        t0 = time.perf_counter()
-        found = await client.lookup(hashes, [LEAF], 1, lease=True)
-        if not all(found.masks.get(LEAF, [])) or found.lease_id is None:
-            raise BenchError(f"lookup found {sum(found.masks.get(LEAF, []))}/{src.count} blocks just written")
-        await client.read(found.lease_id, keys, dst.blocks)
-        read_s = time.perf_counter() - t0
-
-        verified = verified and src.equals(dst)
-        if i >= warmup:
-            put.append(put_s)
-            read.append(read_s)
-    return put, read, verified
+    dst.buf.fill(0)
+    t0 = time.perf_counter()
+    found = await client.lookup(hashes, [LEAF], 1, lease=True)
+    if not all(found.masks.get(LEAF, [])) or found.lease_id is None:
+        raise BenchError(f"lookup found {sum(found.masks.get(LEAF, []))}/{src.count} blocks just written")
+    await client.read(found.lease_id, keys, dst.blocks)
+    read_s = time.perf_counter() - t0
+    return put_s, read_s, src.equals(dst)
 
 
 class Processes:
-    """The child processes of a run, stopped by :func:`main` in a ``finally`` whatever happens."""
+    """The node and the raw server child: paused while the other is measured, stopped in ``finally``.
+
+    With dKV's default ``blocking`` UCX progress mode a process that has seen one UCX event
+    keeps its event loop spinning (a full core) even when idle. On a 2-core machine a third
+    spinning process would steal CPU from the pair being measured, so whichever of the two
+    servers is not being measured is held with SIGSTOP (and both during memcpy).
+    """
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
         self.node: Any = None
         self.child: RawChild | None = None
+        self.cleaning = False
 
-    def stop_child(self) -> None:
+    def _procs(self) -> dict[str, subprocess.Popen[bytes]]:
+        procs = {}
+        if self.node is not None:
+            procs["node"] = self.node.proc
         if self.child is not None:
-            self.child.stop()
+            procs["raw"] = self.child.proc
+        return procs
+
+    def only(self, *running: str) -> None:
+        """Let the named processes run; stop the others (and wait until they are stopped)."""
+        for name, proc in self._procs().items():
+            if proc.poll() is not None:
+                raise BenchError(f"the {name} process exited with {proc.returncode}")
+            os.kill(proc.pid, signal.SIGCONT if name in running else signal.SIGSTOP)
+        deadline = time.monotonic() + 2.0
+        for name, proc in self._procs().items():
+            if name not in running:
+                while _proc_state(proc.pid) not in ("T", "t", "?") and time.monotonic() < deadline:
+                    time.sleep(0.001)
+
+    def resume_all(self) -> None:
+        for proc in self._procs().values():
+            if proc.poll() is None:
+                try:
+                    os.kill(proc.pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
 
     def stop_all(self) -> None:
-        self.stop_child()
+        self.resume_all()  # a stopped process would not act on SIGTERM
+        if self.child is not None:
+            self.child.stop()
         if self.node is not None:
             self.node.stop()
 
 
+def _proc_state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
 async def run_all(procs: Processes, sizes: list[int], blocks: int, runs: int, warmup: int, pool: int,
                   log: Callable[[str], None]) -> list[dict[str, Any]]:
-    """Three phases, so that no third process competes for the CPUs during a measurement.
+    """Per size, ``warmup + runs`` rounds; each round runs every measurement once, back to back.
 
-    With dKV's default ``blocking`` UCX progress mode, a process that has seen one UCX event
-    keeps its event loop spinning (a full core) even when idle, so the raw server child must
-    be gone while the node is measured, and the node must not exist yet while raw ucxx is:
-    1. memcpy, no other process; 2. raw ucxx, with only the child; 3. dKV, with only the node.
+    Interleaving makes each ratio compare numbers taken in the same time window (this machine
+    is shared, and its loopback throughput drifts by 2-3x between windows).
     """
     from cluster.process import start_node
     from dkv.client import NodeClient
 
     init_transport()
-    entries = {size: {"size": size, "size_label": format_size(size), "blocks": blocks,
-                      "bytes_per_op": blocks * size} for size in sizes}
-
-    def buffers(size: int) -> tuple[Blocks, Blocks]:
-        src, dst = Blocks(blocks, size), Blocks(blocks, size)
-        src.fill_random(seed=size)  # the same bytes in every phase
-        return src, dst
-
+    results: list[dict[str, Any]] = []
     raw: Connection | None = None
     clients: dict[str, Any] = {}
     try:
-        for size in sizes:
-            log(f"{format_size(size)} x {blocks}: memcpy")
-            src, dst = buffers(size)
-            entries[size]["memcpy"] = {"copy": _rates(bench_memcpy(src, dst, runs, warmup), src.nbytes)}
-            del src, dst
-
         log("starting the raw ucxx server")
         procs.child = RawChild(procs.workdir)
         raw = await connect("127.0.0.1", procs.child.port)
-        for size in sizes:
-            log(f"{format_size(size)} x {blocks}: raw ucxx")
-            src, dst = buffers(size)
-            put, read, ok = await bench_raw(raw, src, dst, runs, warmup)
-            entries[size]["raw_ucxx"] = {"put": _rates(put, src.nbytes), "read": _rates(read, src.nbytes),
-                                         "verified": ok}
-            del src, dst
-        await raw.send_message({"op": "bye"}, OP_TIMEOUT)
-        await raw.close()
-        raw = None
-        procs.stop_child()
-
         log(f"starting the node (pool {format_size(pool)})")
         procs.node = start_node(pool=str(pool), listen="127.0.0.1:0", workdir=procs.workdir / "node")
         for name in ("local", "listener"):
@@ -395,33 +407,106 @@ async def run_all(procs: Processes, sizes: list[int], blocks: int, runs: int, wa
             await client.connect()
             if client.uses_shared_memory != (name == "local"):
                 raise BenchError(f"the {name} client did not get the {name} path")
+
         for size in sizes:
-            src, dst = buffers(size)
-            for name, client in clients.items():
-                log(f"{format_size(size)} x {blocks}: dKV {name}")
-                put, read, ok = await bench_path(client, src, dst, runs, warmup)
-                entries[size][name] = {"put": _rates(put, src.nbytes), "read": _rates(read, src.nbytes),
-                                       "verified": ok}
+            log(f"{format_size(size)} x {blocks}: {warmup} warm-up + {runs} rounds")
+            src, dst = Blocks(blocks, size), Blocks(blocks, size)
+            src.fill_random(seed=size)
+            samples: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+            verified = {"raw_ucxx": True, "local": True, "listener": True}
+            for round_no in range(warmup + runs):
+                timed = round_no >= warmup
+                procs.only()
+                copy_s = memcpy_once(src, dst)
+                procs.only("raw")
+                raw_put, raw_read, ok = await raw_once(raw, src, dst)
+                verified["raw_ucxx"] &= ok
+                measured = {("memcpy", "copy"): copy_s, ("raw_ucxx", "put"): raw_put, ("raw_ucxx", "read"): raw_read}
+                procs.only("node")
+                for name, client in clients.items():
+                    put_s, read_s, ok = await dkv_once(client, src, dst)
+                    verified[name] &= ok
+                    measured[(name, "put")], measured[(name, "read")] = put_s, read_s
+                if timed:
+                    for key, value in measured.items():
+                        samples[key].append(value)
             await clients["local"].clear()
+            entry: dict[str, Any] = {"size": size, "size_label": format_size(size), "blocks": blocks,
+                                     "bytes_per_op": src.nbytes}
+            for (path, op), values in samples.items():
+                entry.setdefault(path, {})[op] = _rates(values, src.nbytes)
+            for path, ok in verified.items():
+                entry[path]["verified"] = ok
+            entry["ratios"] = _ratios(entry)
+            entry["ratios_median"] = _ratios(entry, "median")
+            results.append(entry)
             del src, dst
+        procs.only("raw", "node")
+        await raw.send_message({"op": "bye"}, OP_TIMEOUT)
     finally:
+        procs.cleaning = True  # no more re-cancelling by the signal watchdog: let the cleanup finish
+        procs.resume_all()
         if raw is not None:
             raw.abort()
         for client in clients.values():
             await client.close()
         await stop_progress()
-    for entry in entries.values():
-        entry["ratios"] = _ratios(entry)
-    return [entries[size] for size in sizes]
+    return results
 
 
-def _ratios(entry: dict[str, Any]) -> dict[str, float]:
-    best = lambda path, op: entry[path][op]["best"]  # noqa: E731
+class Interrupted(Exception):
+    """SIGINT or SIGTERM arrived while the benchmark ran."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+async def run_interruptible(procs: Processes, *args: Any) -> list[dict[str, Any]]:
+    """:func:`run_all`, cancelled on SIGINT/SIGTERM; raises :class:`Interrupted` then.
+
+    The cancellation is repeated every 0.5 s until the cleanup starts: Python 3.11's
+    ``asyncio.wait_for`` (which bounds every dKV transport await) drops a cancellation that
+    arrives as its inner future completes, so a single ``cancel()`` can be lost.
+    """
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    received: list[int] = []
+    inner = asyncio.ensure_future(run_all(procs, *args))
+
+    def recancel() -> None:
+        if not inner.done() and not procs.cleaning:
+            inner.cancel()
+            loop.call_later(0.5, recancel)
+
+    def on_signal(signum: int) -> None:
+        received.append(signum)
+        recancel()
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in previous:
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        return await inner
+    except asyncio.CancelledError:
+        if received:
+            raise Interrupted(received[0]) from None
+        raise
+    finally:
+        for sig, handler in previous.items():
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, handler)
+
+
+def _ratios(entry: dict[str, Any], stat: str = "best") -> dict[str, float]:
+    """The goal ratios, from the ``best`` numbers (or the ``median`` ones)."""
+    rate = lambda path, op: entry[path][op][stat]  # noqa: E731
     return {
-        "local_read_vs_memcpy": best("local", "read") / best("memcpy", "copy"),
-        "local_put_vs_memcpy": best("local", "put") / best("memcpy", "copy"),
-        "listener_read_vs_raw_ucxx": best("listener", "read") / best("raw_ucxx", "read"),
-        "listener_put_vs_raw_ucxx": best("listener", "put") / best("raw_ucxx", "put"),
+        "local_read_vs_memcpy": rate("local", "read") / rate("memcpy", "copy"),
+        "local_put_vs_memcpy": rate("local", "put") / rate("memcpy", "copy"),
+        "listener_read_vs_raw_ucxx": rate("listener", "read") / rate("raw_ucxx", "read"),
+        "listener_put_vs_raw_ucxx": rate("listener", "put") / rate("raw_ucxx", "put"),
     }
 
 
@@ -463,7 +548,7 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-def print_report(results: list[dict[str, Any]], runs: int, warmup: int, blocks: int) -> None:
+def print_report(results: list[dict[str, Any]], runs: int, warmup: int, blocks: int, load_start: float) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -486,18 +571,14 @@ def print_report(results: list[dict[str, Any]], runs: int, warmup: int, blocks: 
             table.add_column(col, justify="right")
         for e in results:
             g = lambda path, op: f"{e[path][op][stat]:.2f}"  # noqa: E731
-            r = {k: e[path][op][stat] / e[base][bop][stat] for k, (path, op, base, bop) in {
-                "lr": ("local", "read", "memcpy", "copy"),
-                "xr": ("listener", "read", "raw_ucxx", "read"),
-                "xp": ("listener", "put", "raw_ucxx", "put"),
-                "lp": ("local", "put", "memcpy", "copy"),
-            }.items()}
+            r = _ratios(e, stat)
             ok = all(e[p]["verified"] for p in ("raw_ucxx", "local", "listener"))
-            table.add_row(e["size_label"], f"{e['memcpy']['copy'][stat]:.2f}", g("raw_ucxx", "put"),
-                          g("raw_ucxx", "read"), g("local", "put"), g("local", "read"), g("listener", "put"),
-                          g("listener", "read"), ratio_cell(r["lr"], GOAL_LOCAL_READ_VS_MEMCPY),
-                          ratio_cell(r["xr"], GOAL_LISTENER_VS_RAW), ratio_cell(r["xp"], GOAL_LISTENER_VS_RAW),
-                          ratio_cell(r["lp"], None), "[green]yes[/]" if ok else "[bold red]NO[/]")
+            table.add_row(e["size_label"], g("memcpy", "copy"), g("raw_ucxx", "put"), g("raw_ucxx", "read"),
+                          g("local", "put"), g("local", "read"), g("listener", "put"), g("listener", "read"),
+                          ratio_cell(r["local_read_vs_memcpy"], GOAL_LOCAL_READ_VS_MEMCPY),
+                          ratio_cell(r["listener_read_vs_raw_ucxx"], GOAL_LISTENER_VS_RAW),
+                          ratio_cell(r["listener_put_vs_raw_ucxx"], GOAL_LISTENER_VS_RAW),
+                          ratio_cell(r["local_put_vs_memcpy"], None), "[green]yes[/]" if ok else "[bold red]NO[/]")
         console.print(table)
 
     console.print(
@@ -506,13 +587,16 @@ def print_report(results: list[dict[str, Any]], runs: int, warmup: int, blocks: 
         "raw ucxx put = client→server, timed from posting all sends to the server's framed ack; "
         "raw ucxx read = server→client, timed from a tiny framed request to the last payload received.\n"
         "dKV put = one write() of all blocks (fresh hashes); dKV read = leased lookup() + read() into "
-        f"page-aligned buffers. UCX progress mode: {PROGRESS_MODE}."
+        f"page-aligned buffers. UCX progress mode: {PROGRESS_MODE}. Rounds interleave all measurements; the "
+        "server not being measured is paused (SIGSTOP) so only the measured pair runs."
     )
     for e in results:
         goals = _goals(e)
-        parts = [f"{name.replace('_', ' ')} {e['ratios'][name]:.0%} "
+        parts = [f"{name.replace('_', ' ')} {e['ratios'][name]:.1%} "
                  f"{'[green]met[/]' if met else '[red]missed[/]'}" for name, met in goals.items()]
         console.print(f"  {e['size_label']:>9}: " + "; ".join(parts))
+    console.print(f"Machine: {os.cpu_count()} CPUs; load average {load_start:.2f} at start, {os.getloadavg()[0]:.2f} "
+                  "at end (this run's own two busy processes count ~2; more means other work skewed the numbers).")
 
 
 # ---- main ---------------------------------------------------------------------------------------
@@ -553,7 +637,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from cluster.process import NodeStartError
 
     err = Console(stderr=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks below
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # outside the event loop: run the finally blocks
     max_size = max(args.size_list)
     pool = args.blocks * _align_up(max_size) * 2 + 64 * 2**20
     started = time.time()
@@ -562,8 +646,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="dkv-bench-") as tmp:
         procs = Processes(Path(tmp))
         try:
-            results = asyncio.run(run_all(procs, args.size_list, args.blocks, args.repeat, args.warmup, pool,
-                                          lambda msg: err.log(msg)))
+            results = asyncio.run(run_interruptible(procs, args.size_list, args.blocks, args.repeat, args.warmup,
+                                                    pool, lambda msg: err.log(msg)))
+        except Interrupted as exc:
+            err.print(f"[bold red]interrupted[/] by {exc}: stopped the node and the raw server")
+            return 128 + exc.signum
         except (DKVError, BenchError, NodeStartError) as exc:
             err.print(f"[bold red]benchmark failed:[/] {type(exc).__name__}: {exc}")
             if procs.node is not None:
@@ -574,9 +661,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             procs.stop_all()
 
-    print_report(results, args.repeat, args.warmup, args.blocks)
-    Console().print(f"nproc {os.cpu_count()}, load average at start {load_start[0]:.2f}, "
-                    f"at end {os.getloadavg()[0]:.2f} (other processes on this machine skew the numbers)")
+    print_report(results, args.repeat, args.warmup, args.blocks, load_start[0])
     verified = all(e[p]["verified"] for e in results for p in ("raw_ucxx", "local", "listener"))
     if args.json is not None:
         for e in results:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import threading
 import time
@@ -19,7 +20,8 @@ from cluster.etcd_process import EtcdProcess, start_etcd
 from cluster.process import NodeProcess, start_node
 from dkv.client import NodeClient
 from dkv.server import ADMIN_NAMESPACE
-from dkv.transport import init_transport, open_connections, stop_progress
+from dkv.loop_thread import LoopThread, acquire_shared_loop, release_shared_loop
+from dkv.transport import _live, open_connections
 
 NAMESPACE = "test/ns0"
 
@@ -75,12 +77,49 @@ async def etcd(etcd_server: EtcdProcess | None, request: pytest.FixtureRequest) 
 WAIT_BOUND = 20.0  # generous: these machines are shared and noisy
 
 
-@pytest_asyncio.fixture(scope="session", loop_scope="session", autouse=True)
-async def ucx_transport() -> AsyncIterator[None]:
-    """UCX is initialised once, on the session's loop, before any test counts threads."""
-    init_transport()
-    yield
-    await stop_progress()
+_UCX: LoopThread | None = None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ucx_loop() -> Iterator[LoopThread]:
+    """The process's shared UCX loop thread, started before any test counts threads.
+
+    Every UCX call of the test process runs there (see :func:`on_ucx`), never on
+    pytest's own loop: a second loop registered for UCX progress that sits idle
+    between tests would stall the connectors' endpoints.
+    """
+    global _UCX
+    _UCX = acquire_shared_loop()
+    yield _UCX
+    release_shared_loop()
+
+
+async def on_ucx(coro: Any) -> Any:
+    """Await ``coro`` on the shared UCX loop."""
+    assert _UCX is not None
+    return await asyncio.wrap_future(_UCX.submit(coro))
+
+
+class OnUcx:
+    """Proxy whose methods run on the shared UCX loop (coroutines awaited, plain methods waited for)."""
+
+    def __init__(self, target: Any) -> None:
+        self._target = target
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._target, name)
+        if inspect.iscoroutinefunction(attr):
+            async def call_async(*args: Any, **kwargs: Any) -> Any:
+                return await on_ucx(attr(*args, **kwargs))
+            return call_async
+        if callable(attr) and not isinstance(attr, type):
+            def call(*args: Any, **kwargs: Any) -> Any:
+                async def run() -> Any:
+                    return attr(*args, **kwargs)
+                assert _UCX is not None
+                return _UCX.run(run(), 60)
+            return call
+        return attr
 
 
 def _dkv_shm() -> set[str]:
@@ -139,9 +178,9 @@ async def clients(node_factory: Callable[..., NodeProcess]) -> AsyncIterator[Cal
     """Make :class:`NodeClient`s; all are closed at teardown (before any node is checked or stopped)."""
     made: list[NodeClient] = []
 
-    def make(address: str, namespace: str = NAMESPACE, **kwargs: Any) -> NodeClient:
+    def make(address: str, namespace: str = NAMESPACE, **kwargs: Any) -> Any:
         kwargs.setdefault("timeout", 10.0)
-        client = NodeClient(address, namespace, **kwargs)
+        client = OnUcx(NodeClient(address, namespace, **kwargs))
         made.append(client)
         return client
 
@@ -151,11 +190,14 @@ async def clients(node_factory: Callable[..., NodeProcess]) -> AsyncIterator[Cal
 
 async def node_stats(address: str, **kwargs: Any) -> dict[str, Any]:
     """A node's stats over a fresh admin connection (closed before returning)."""
-    admin = NodeClient(address, ADMIN_NAMESPACE, pool_size=1, **kwargs)
-    try:
-        return await admin.stats()
-    finally:
-        await admin.close()
+    async def fetch() -> dict[str, Any]:
+        admin = NodeClient(address, ADMIN_NAMESPACE, pool_size=1, **kwargs)
+        try:
+            return await admin.stats()
+        finally:
+            await admin.close()
+
+    return await on_ucx(fetch())
 
 
 async def wait_for_stats(address: str, predicate: Callable[[dict[str, Any]], bool], **kwargs: Any) -> dict[str, Any]:
@@ -166,6 +208,21 @@ async def wait_for_stats(address: str, predicate: Callable[[dict[str, Any]], boo
         await asyncio.sleep(0.1)
         stats = await node_stats(address, **kwargs)
     return stats
+
+
+async def _ucx_loop_tasks() -> list[str]:
+    deadline = time.monotonic() + 5
+    while True:
+        current = asyncio.current_task()
+        left = [repr(t) for t in asyncio.all_tasks()
+                if t is not current and not t.done() and "ucxx" not in _coro_file(t)]
+        if not left or time.monotonic() > deadline:
+            return left
+        await asyncio.sleep(0.05)
+
+
+def _open_peers() -> list[str]:
+    return [c.peer + getattr(c, "created_at", "") for c in list(_live)]
 
 
 def _coro_file(task: asyncio.Task[Any]) -> str:
@@ -186,11 +243,14 @@ async def leak_check() -> AsyncIterator[None]:
     """After each test: no open UCX endpoints, no stray tasks, no stray threads in this process."""
     threads_before = {t.ident for t in threading.enumerate()}
     yield
-    assert open_connections() == 0, f"{open_connections()} UCX connection(s) left open"
+    assert open_connections() == 0, f"{open_connections()} UCX connection(s) left open: {_open_peers()}"
     deadline = time.monotonic() + 5
     while _owned_tasks() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     assert not _owned_tasks(), f"tasks left running: {_owned_tasks()}"
+    assert _UCX is not None
+    ucx_tasks = await on_ucx(_ucx_loop_tasks())
+    assert not ucx_tasks, f"tasks left running on the UCX loop: {ucx_tasks}"
     stray = [t for t in threading.enumerate() if t.ident not in threads_before and t.is_alive()
              and not t.name.startswith("asyncio_")]  # the loop's own default executor
     assert not stray, f"threads left running: {stray}"

@@ -11,6 +11,7 @@ from dkv.errors import AuthError, DKVError, TransportError
 from dkv.keys import BlockKey
 from dkv.transport import connect
 from dkv.units import parse_address
+from tests.conftest import OnUcx, on_ucx
 from dkv.wire import HEADER, MAGIC, MAX_FRAME, PROTOCOL_VERSION, encode_body, encode_header
 
 TOKEN = b"cluster-token-0123456789"
@@ -28,14 +29,18 @@ async def _good_round_trip(clients, address: str, **kwargs) -> None:
 
 
 async def _raw_session(address: str, namespace: str = "test/ns0"):
-    """A raw connection past the handshake (no token on the node)."""
-    conn = await connect(*parse_address(address))
-    challenge = await conn.recv_message()
-    assert challenge["t"] == "challenge"
-    await conn.send_message({"op": "hello", "v": PROTOCOL_VERSION, "ns": namespace, "client": "raw",
-                             "proof": None, "host": "elsewhere"})
-    assert (await conn.recv_message())["ok"] is True
-    return conn
+    """A raw connection past the handshake (no token on the node), driven on the UCX loop."""
+
+    async def handshake():
+        conn = await connect(*parse_address(address))
+        challenge = await conn.recv_message()
+        assert challenge["t"] == "challenge"
+        await conn.send_message({"op": "hello", "v": PROTOCOL_VERSION, "ns": namespace, "client": "raw",
+                                 "proof": None, "host": "elsewhere"})
+        assert (await conn.recv_message())["ok"] is True
+        return conn
+
+    return OnUcx(await on_ucx(handshake()))
 
 
 async def _expect_closed_with_error(conn) -> str:

@@ -1,9 +1,16 @@
-"""The connector's own event-loop thread: where every network round trip runs.
+"""An event loop in a thread of its own, and the process-wide one that drives UCX for threaded callers.
 
-The engine's scheduler thread never awaits a network. It submits coroutines
-here and gets ``concurrent.futures.Future`` handles back (``submit``); only
-drain and shutdown paths block on one, always with a bound (``run``). UCX is
-initialised inside this thread, so its progress is driven by this loop.
+UCX progress is bound to the event loop that drives it. A process must not
+leave a second loop registered for UCX progress while it sits idle (a sync
+caller's loop, a closed engine's loop): UCX then stalls, endpoints take seconds
+to close. So every caller in a process that is not itself an asyncio server —
+KV connectors, tests, tools — shares one loop thread, :func:`shared_loop`,
+reference-counted: the first :func:`acquire_shared_loop` starts it, the last
+:func:`release_shared_loop` stops it.
+
+Threads hand coroutines to it with :meth:`LoopThread.submit` (returns a
+``concurrent.futures.Future`` at once) or :meth:`LoopThread.run` (waits, with a
+bound).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ T = TypeVar("T")
 class LoopThread:
     """An asyncio loop in a daemon thread, owned by one connector."""
 
-    def __init__(self, name: str = "dkv-connector") -> None:
+    def __init__(self, name: str = "dkv-ucx") -> None:
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
@@ -85,3 +92,29 @@ class LoopThread:
         if self._loop is not None and not self._loop.is_closed() and self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout)
+
+
+_shared: LoopThread | None = None
+_shared_refs = 0
+_shared_lock = threading.Lock()
+
+
+def acquire_shared_loop() -> LoopThread:
+    """The process's shared UCX loop thread (started on first use); pair with :func:`release_shared_loop`."""
+    global _shared, _shared_refs
+    with _shared_lock:
+        if _shared is None or not _shared.alive:
+            _shared = LoopThread()
+        _shared_refs += 1
+        return _shared
+
+
+def release_shared_loop(timeout: float = 10.0) -> None:
+    """Drop one reference; the last one stops the loop (its remaining tasks are cancelled)."""
+    global _shared, _shared_refs
+    with _shared_lock:
+        _shared_refs = max(0, _shared_refs - 1)
+        if _shared_refs or _shared is None:
+            return
+        loop, _shared = _shared, None
+    loop.stop(timeout)

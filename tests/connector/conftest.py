@@ -1,0 +1,45 @@
+"""Fixtures for connector tests: connectors over CPU device tensors, shut down at teardown."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from connector.dkv_connector import DKVConnector
+from connector.types import LeafSpec, full_attention, sliding_window
+
+PAGES = 32
+PAGE_BYTES = 4096
+NAMESPACE = "test/conn"
+
+
+def device_blocks(leaves: dict[str, LeafSpec], replicas: int = 1, pages: int = PAGES,
+                  page_bytes: int = PAGE_BYTES) -> list[dict[str, list[torch.Tensor]]]:
+    return [{leaf: [torch.zeros(pages, page_bytes, dtype=torch.uint8) for _ in range(spec.tp_shards)]
+             for leaf, spec in leaves.items()} for _ in range(replicas)]
+
+
+def two_leaves(tp: int = 1) -> dict[str, LeafSpec]:
+    return {"full": full_attention(0, tp), "swa": sliding_window(1, 64, tp)}
+
+
+@pytest.fixture
+def connectors(node_factory) -> Iterator[Callable[..., DKVConnector]]:
+    """Build connectors; every one is shut down at teardown (before nodes are checked and stopped)."""
+    made: list[DKVConnector] = []
+
+    def make(node: str, leaves: dict[str, LeafSpec] | None = None, blocks: Any = None, **kwargs: Any) -> DKVConnector:
+        leaves = leaves or two_leaves()
+        blocks = blocks if blocks is not None else device_blocks(leaves)
+        kwargs.setdefault("namespace", NAMESPACE)
+        kwargs.setdefault("timeout", 3.0)
+        conn = DKVConnector(leaves, blocks, node=node, **kwargs)
+        made.append(conn)
+        return conn
+
+    yield make
+    for conn in made:
+        conn.shutdown()
