@@ -336,7 +336,28 @@ async def _async_value(value: Any) -> Any:
     return value
 
 
+def _plug_in_commands() -> None:
+    """Add commands other packages register under the ``dkv.commands`` entry-point group.
+
+    ``dkv`` imports nothing of ``cluster`` or ``connector``; they plug in here
+    (``dkv cluster ...``, ``dkv demo``).
+    """
+    from importlib.metadata import entry_points
+
+    for entry in entry_points(group="dkv.commands"):
+        try:
+            command = entry.load()
+        except ImportError as exc:
+            logging.getLogger(__name__).debug("command %s unavailable: %s", entry.name, exc)
+            continue
+        if isinstance(command, typer.Typer):
+            app.add_typer(command, name=entry.name)
+        else:
+            app.command(entry.name)(command)
+
+
 def main() -> None:
+    _plug_in_commands()
     try:
         app()
     except KeyboardInterrupt:
