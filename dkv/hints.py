@@ -18,8 +18,8 @@ accept as request metadata::
 ``block_hashes`` names the deepest block the peer covers: hashes are
 prefix-chained, so that one hash names the whole prefix. The ``dkv`` object lets
 the connector detect a stale hint (the peer restarted: new epoch), a foreign one
-(another namespace) or a mismatched one (the deepest hash is not the request's
-hash at ``depth - 1``).
+(another namespace) or a mismatched one (the deepest hash is not among the
+request's hashes; an engine may ask about only the blocks past its device hit).
 
 MAX's minimal form is accepted too, its instance name read as a peer id::
 
@@ -195,6 +195,9 @@ def resolve_hint(
         raise UnusableHint(STALE_EPOCH, f"peer {hint.peer_id!r} is at epoch {member.epoch}, hint says {hint.epoch}")
     if hint.namespace is not None and hint.namespace != namespace:
         raise UnusableHint(WRONG_NAMESPACE, f"hint is for namespace {hint.namespace!r}")
-    if hint.depth is not None and (hint.depth > len(hashes) or hashes[hint.depth - 1] != hint.deepest_hash):
-        raise UnusableHint(MISMATCH, "the hint's deepest hash is not this request's block at that depth")
+    if hint.deepest_hash is not None and hint.deepest_hash not in hashes:
+        # an engine asks about the blocks past its device hit, so the run may start anywhere
+        # in the prompt; hashes are prefix-chained, so the deepest block being among them is
+        # what ties the hint to this request
+        raise UnusableHint(MISMATCH, "the hint's deepest block is not among this request's blocks")
     return member

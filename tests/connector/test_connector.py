@@ -412,7 +412,7 @@ def test_unusable_hints_are_counted_misses_by_reason_never_exceptions(etcd, node
         UNKNOWN_PEER: variant(lambda d: dkv(d).update(peer_id="ghost")),
         STALE_EPOCH: variant(lambda d: dkv(d).update(epoch="0-dead")),
         WRONG_NAMESPACE: variant(lambda d: dkv(d).update(namespace="other/ns")),
-        MISMATCH: variant(lambda d: dkv(d).update(deepest_hash="00" * 32)),
+        MISMATCH: variant(lambda d: dkv(d).update(deepest_hash="00" * 32)),  # not among the request's blocks
     }
     for reason, hint in cases.items():
         masks = conn.lookup(hashes, hint=hint)

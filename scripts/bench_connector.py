@@ -1,0 +1,802 @@
+#!/usr/bin/env python
+"""Benchmark the KV connector: scheduler-thread cost of each call, and load/offload throughput vs the raw node path.
+
+Usage::
+
+    python scripts/bench_connector.py [--blocks 64,1024] [--page 64KiB] [--repeat 200] [--rounds 5]
+                                      [--warmup 1] [--call-page 4KiB] [--busy 30] [--poll-us 0] [--json out.json]
+
+Set-up (all real processes, stopped by PID in ``finally``): one etcd, node ``a`` (the co-located
+node) and node ``b`` (the peer), both cluster members (``--etcd URL --node-id ID``) so that the
+connector's router has a directory index (``probe``) and can turn a hint into a peer. Every UCX
+call of this process runs on the shared loop thread (:func:`dkv.loop_thread.acquire_shared_loop`):
+the connectors' and the raw :class:`~dkv.client.NodeClient`'s alike. One leaf, one TP shard, so a
+block is one key; device blocks are CPU ``uint8`` tensors (the copy engine's no-staging case).
+
+1. **Scheduler-thread cost** (µs, p50/p99 over ``--repeat`` calls each, for every ``--blocks``
+   count). Each call is timed on the calling thread from entry to return; before each one the
+   loop thread is let go quiet (every task the connector posted has finished), and whatever the
+   call started is waited for *outside* the timed interval. ``lookup`` is synchronous (it blocks
+   for one round trip: reported, but engines should use ``start_lookup``); ``start_lookup``,
+   ``load``, ``load_lookup``, ``offload`` and ``touch`` are return times only (validation and
+   posting, not the round trip or the copy); ``probe`` answers from the etcd-fed index (hit: the
+   whole chain announced; miss: nothing announced). The blocks are all present on node ``a``,
+   so the offloads find them there already (their return time does not depend on that). These
+   calls use ``--call-page`` pages: on CPU tensors no call touches block bytes on the calling
+   thread, so the page size does not change them (the copies run on the loop thread).
+   ``--busy N`` repeats the posting calls N times for the smallest block count while a real
+   connector load of the largest block count (``--page`` pages, same-host path) is copying on the
+   loop thread: the cost an engine sees when it posts work while earlier transfers are moving.
+   Goal: ``load`` and ``load_lookup`` and ``offload`` return in <= 200 µs for 64 blocks
+   (judged at p50 and at p99, idle).
+
+2. **Throughput** (GB/s = 1e9 bytes/s of block payload; best and median of ``--rounds`` rounds
+   after ``--warmup``), for every ``--blocks`` count and every ``--page`` size. Rounds interleave
+   every measurement (connector and raw alternate which goes first), so each ratio compares
+   numbers taken in the same time window.
+
+   * ``load local``: node ``a`` over the same-host (shared-memory) path. Connector =
+     ``start_lookup`` -> complete -> ``result()`` -> ``load_lookup`` -> transfer complete;
+     raw = one coroutine on the loop: ``NodeClient.lookup`` (leased) + ``NodeClient.read`` of the
+     same keys into the same rows (keys and row views prepared outside the timed interval).
+   * ``load peer``: node ``b``, reached the way a request reaches a peer: the connector
+     (``local=False``, co-located with ``a``) gets the router's hint naming ``b`` and loads from
+     ``b`` over the listener path (block bytes as UCX messages, loopback here); raw =
+     ``NodeClient(b, local=False)`` lookup + read.
+   * ``offload shm`` / ``offload ucx``: fresh hashes to node ``a`` (the namespace is cleared,
+     untimed, before each); connector = ``offload`` -> transfer complete; raw = ``NodeClient.write``.
+
+   Every load is checked bit-exact against what was stored (the rows are zeroed before each);
+   every offload must store all of its blocks. Completion is awaited through the handle's
+   future (a done-callback sets an event: no polling, no GIL contention from a spinning
+   waiter); ``--poll-us N`` polls ``is_complete()`` every N µs instead, as an engine's step
+   loop would. Goal: connector load time <= 110 % of the raw node path's (best vs best).
+
+Exit status: 0, 1 if a bit-exact check failed, 2 on an error, 130/143 on SIGINT/SIGTERM
+(always after shutting the connectors down and stopping the nodes and etcd).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures
+import json
+import os
+import platform
+import secrets
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `cluster` and `connector` live at the repository root
+    sys.path.insert(0, str(ROOT))
+
+from dkv.errors import DKVError  # noqa: E402
+from dkv.units import format_size, parse_size  # noqa: E402
+
+LEAF = "full"
+NS_CALLS = "bench/calls"
+NS_LOAD = "bench/load"
+NS_OFF = "bench/offload"
+OP_TIMEOUT = 60.0  # per op; generous for 256 MiB over loopback UCX on a busy 2-core machine
+INDEX_TIMEOUT = 30.0  # until the router has seen a dataset's directory entries
+GOAL_CALL_US = 200.0
+GOAL_OVERHEAD = 0.10
+GOAL_CALL_OPS = ("load", "load_lookup", "offload")
+DEFAULT_BLOCKS = "64,1024"
+DEFAULT_PAGE = "64KiB"
+
+
+class BenchError(RuntimeError):
+    """Something the benchmark cannot measure around (a miss, a refused load, a short write...)."""
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q * 100.0))
+
+
+def summary_us(samples_ns: Sequence[int]) -> dict[str, Any]:
+    us = [s / 1e3 for s in samples_ns]
+    return {"n": len(us), "p50_us": percentile(us, 0.5), "p99_us": percentile(us, 0.99),
+            "mean_us": statistics.fmean(us), "max_us": max(us), "min_us": min(us)}
+
+
+def rates(samples: Sequence[float], nbytes: int) -> dict[str, Any]:
+    gbps = [nbytes / 1e9 / s for s in samples]
+    return {"best": max(gbps), "median": statistics.median(gbps), "runs": gbps,
+            "best_s": min(samples), "median_s": statistics.median(samples)}
+
+
+def chain(n: int) -> list[bytes]:
+    return [secrets.token_bytes(32) for _ in range(n)]
+
+
+class Waiter:
+    """Waits for a connector handle or transfer: via its future (default) or by polling ``is_complete()``."""
+
+    def __init__(self, poll_us: float) -> None:
+        self.poll_s = poll_us / 1e6
+
+    def __call__(self, item: Any, what: str, timeout: float = OP_TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        future = getattr(item, "_future", None)
+        if self.poll_s <= 0 and isinstance(future, concurrent.futures.Future):
+            event = threading.Event()
+            future.add_done_callback(lambda _f: event.set())
+            if not event.wait(timeout):
+                raise BenchError(f"{what} did not complete within {timeout:.0f}s")
+            if not item.is_complete():  # a CUDA completion could still be pending; never on CPU
+                while not item.is_complete():
+                    if time.monotonic() > deadline:
+                        raise BenchError(f"{what} did not complete within {timeout:.0f}s")
+                    time.sleep(0.0001)
+            return
+        while not item.is_complete():
+            if time.monotonic() > deadline:
+                raise BenchError(f"{what} did not complete within {timeout:.0f}s")
+            time.sleep(self.poll_s if self.poll_s > 0 else 0.0001)
+
+
+def settle(*conns: Any, timeout: float = OP_TIMEOUT) -> None:
+    """Until every task the connectors posted on the loop thread has finished (peeks at ``_tasks``)."""
+    for conn in conns:
+        pending = [f for f in list(conn._tasks) if not f.done()]
+        if pending:
+            _done, left = concurrent.futures.wait(pending, timeout)
+            if left:
+                raise BenchError(f"{len(left)} connector task(s) still running after {timeout:.0f}s")
+
+
+def timed_ns(fn: Callable[[], Any]) -> tuple[int, Any]:
+    t0 = time.perf_counter_ns()
+    result = fn()
+    return time.perf_counter_ns() - t0, result
+
+
+class Rows:
+    """The device tensor ``[pages, page]`` (row 0 unused: block ids start at 1) and a reference copy."""
+
+    def __init__(self, count: int, page: int, seed: int) -> None:
+        import torch
+
+        self.count, self.page = count, page
+        self.tensor = torch.zeros(count + 1, page, dtype=torch.uint8)
+        self.np = self.tensor.numpy()
+        self.ref = np.empty((count, page), dtype=np.uint8)
+        words = np.random.default_rng(seed).bit_generator.random_raw(self.ref.nbytes // 8)
+        self.ref.reshape(-1).view(np.uint64)[: words.size] = words
+        self.views = [self.np[i] for i in range(1, count + 1)]  # row views of block ids 1..count
+
+    def ids(self, n: int) -> list[int]:
+        return list(range(1, n + 1))
+
+    def load_ref(self, n: int) -> None:
+        np.copyto(self.np[1 : n + 1], self.ref[:n])
+
+    def zero(self, n: int) -> None:
+        self.np[1 : n + 1].fill(0)
+
+    def matches(self, n: int) -> bool:
+        a, b = self.np[1 : n + 1], self.ref[:n]
+        if self.page % 8 == 0:
+            a, b = a.view(np.uint64), b.view(np.uint64)
+        return bool(np.array_equal(a, b))
+
+
+# ---- processes ----------------------------------------------------------------------------------
+
+
+class Cluster:
+    """etcd and nodes ``a``/``b``, started here and stopped by PID in :meth:`stop`."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.etcd: Any = None
+        self.nodes: dict[str, Any] = {}
+        self.prefix = f"/dkv-bench/{uuid.uuid4().hex[:12]}"
+
+    def start(self, pools: dict[str, int], log: Callable[[str], None]) -> None:
+        from cluster.etcd_process import start_etcd
+        from cluster.process import start_node
+
+        log("starting etcd")
+        self.etcd = start_etcd()
+        for node_id, pool in pools.items():
+            log(f"starting node {node_id} (pool {format_size(pool)})")
+            self.nodes[node_id] = start_node(
+                "--etcd", self.etcd.url, "--etcd-prefix", self.prefix, "--node-id", node_id, "--log-level", "WARNING",
+                pool=str(pool), listen="127.0.0.1:0", workdir=self.workdir / f"node-{node_id}")
+
+    def address(self, node_id: str) -> str:
+        return str(self.nodes[node_id].address)
+
+    def check_alive(self) -> None:
+        for node_id, node in self.nodes.items():
+            if not node.alive():
+                raise BenchError(f"node {node_id} exited with {node.proc.returncode}:\n{node.log_tail()}")
+
+    def log_tails(self) -> str:
+        return "\n".join(f"--- node {i} log tail:\n{n.log_tail()}" for i, n in self.nodes.items())
+
+    def stop(self) -> None:
+        for node in self.nodes.values():
+            try:
+                node.stop()
+            except Exception:  # noqa: BLE001 - keep stopping the rest
+                pass
+        if self.etcd is not None:
+            self.etcd.stop()
+
+
+class Bench:
+    """Connectors and raw clients on the process's shared UCX loop; everything closed in :meth:`close`."""
+
+    def __init__(self, cluster: Cluster, args: argparse.Namespace, log: Callable[[str], None]) -> None:
+        from dkv.loop_thread import acquire_shared_loop
+
+        self.cluster = cluster
+        self.args = args
+        self.log = log
+        self.wait = Waiter(args.poll_us)
+        self.loop = acquire_shared_loop()  # this script's own reference: released last, in close()
+        self.connectors: list[Any] = []
+        self.clients: list[Any] = []
+        self.verified = True
+
+    # -- construction
+
+    def connector(self, node: str, rows: Rows, namespace: str, *, etcd: bool = False, local: bool | None = None) -> Any:
+        from connector.dkv_connector import DKVConnector
+        from connector.types import full_attention
+
+        kwargs: dict[str, Any] = {"etcd": self.cluster.etcd.url, "etcd_prefix": self.cluster.prefix} if etcd else {}
+        conn = DKVConnector({LEAF: full_attention(0)}, [{LEAF: [rows.tensor]}], namespace=namespace,
+                            node=self.cluster.address(node), timeout=OP_TIMEOUT, local=local, **kwargs)
+        self.connectors.append(conn)
+        return conn
+
+    def client(self, node: str, namespace: str, *, local: bool) -> Any:
+        from dkv.client import NodeClient
+
+        client = NodeClient(self.cluster.address(node), namespace, local=local, timeout=OP_TIMEOUT)
+        self.clients.append(client)
+        self.run(client.connect())
+        if client.uses_shared_memory != local:
+            raise BenchError(f"the raw client to {node} did not get the {'same-host' if local else 'listener'} path")
+        return client
+
+    def run(self, coro: Any, timeout: float = OP_TIMEOUT) -> Any:
+        return self.loop.run(coro, timeout)
+
+    def close(self) -> None:
+        from dkv.loop_thread import release_shared_loop
+
+        for conn in self.connectors:
+            conn.shutdown()  # never raises; releases its reference on the shared loop
+        try:
+            self.run(_close_all(self.clients), 30.0)
+        except Exception:  # noqa: BLE001
+            pass
+        release_shared_loop()
+
+    def store(self, client: Any, hashes: list[bytes], rows: Rows) -> None:
+        """Write rows 1..len(hashes)'s reference bytes under ``hashes`` (untimed set-up)."""
+        from dkv.keys import BlockKey
+
+        n = len(hashes)
+        keys = [BlockKey(LEAF, 0, h) for h in hashes]
+        result = self.run(client.write(keys, list(rows.ref[:n])))
+        if result.stored + result.statuses.count("exists") != n:
+            raise BenchError(f"set-up write stored {result.stored}/{n}: {collections.Counter(result.statuses)}")
+
+    def wait_indexed(self, conn: Any, hashes: list[bytes], holder: str) -> str:
+        """Until the connector's router routes ``hashes`` wholly to ``holder``; returns that hint."""
+        deadline = time.monotonic() + INDEX_TIMEOUT
+        while True:
+            route = conn._router.route(conn.namespace, hashes)
+            if route.peer is not None and route.peer.node_id == holder and route.depth == len(hashes):
+                return str(route.hint)
+            if time.monotonic() > deadline:
+                raise BenchError(f"the router never saw {len(hashes)} blocks on {holder} (depth {route.depth})")
+            time.sleep(0.05)
+
+    # -- 1. scheduler-thread cost
+
+    def call_costs(self, blocks: list[int]) -> dict[str, Any]:
+        args = self.args
+        nmax = max(blocks)
+        rows = Rows(nmax, args.call_page, seed=1)
+        self.call_rows = rows
+        conn = self.connector("a", rows, NS_CALLS, etcd=True)
+        self.calls_conn = conn
+        writer = self.client("a", NS_CALLS, local=True)
+        hashes = chain(nmax)
+        self.calls_hashes = hashes
+        self.store(writer, hashes, rows)
+        hints = {n: self.wait_indexed(conn, hashes[:n], "a").encode() for n in blocks}
+        out: dict[str, Any] = {}
+        for n in blocks:
+            self.log(f"call costs: {n} blocks x {args.repeat} calls per op")
+            hs, ids = hashes[:n], rows.ids(n)
+            miss = chain(n)
+            samples: dict[str, list[int]] = collections.defaultdict(list)
+            for i in range(args.repeat + 5):  # the first 5 rounds warm up (connections, caches)
+                keep = i >= 5
+                t: dict[str, int] = {}
+                settle(conn)
+                t["lookup"], masks = timed_ns(lambda: conn.lookup(hs))
+                if not all(masks[LEAF]):
+                    raise BenchError(f"lookup found {sum(masks[LEAF])}/{n} blocks")
+                settle(conn)
+                t["load"], tr = timed_ns(lambda: conn.load({LEAF: ids}, {LEAF: hs}))
+                self.wait(tr, "load")
+                settle(conn)
+                t["start_lookup"], handle = timed_ns(lambda: conn.start_lookup(hs))
+                self.wait(handle, "start_lookup")
+                settle(conn)
+                t["load_lookup"], tr = timed_ns(lambda: conn.load_lookup(handle, {LEAF: ids}, {LEAF: hs}))
+                self.wait(tr, "load_lookup")
+                settle(conn)
+                hint = hints[n]
+                t["start_lookup_hint"], handle = timed_ns(lambda: conn.start_lookup(hs, hint=hint))
+                self.wait(handle, "start_lookup (hint)")
+                conn.abandon_lookup(handle)
+                settle(conn)
+                t["offload"], tr = timed_ns(lambda: conn.offload({LEAF: ids}, {LEAF: hs}))
+                self.wait(tr, "offload")
+                settle(conn)
+                t["touch"], _ = timed_ns(lambda: conn.touch(hs))
+                settle(conn)
+                t["probe_hit"], answer = timed_ns(lambda: conn.probe(hs, [0]))
+                if answer is None or not all(answer[0][LEAF]):
+                    raise BenchError(f"probe did not see the {n} stored blocks")
+                t["probe_miss"], answer = timed_ns(lambda: conn.probe(miss, [0]))
+                t["poll_transfers"], _ = timed_ns(conn.poll_transfers)
+                t["take_metrics"], _ = timed_ns(conn.take_metrics)
+                if keep:
+                    for op, ns in t.items():
+                        samples[op].append(ns)
+            out[str(n)] = {op: summary_us(v) for op, v in samples.items()}
+        return out
+
+    # -- 1b. the same posting calls while a big load copies on the loop thread
+
+    def busy_costs(self, n: int, bg_conn: Any, bg_rows: Rows, bg_hashes: list[bytes]) -> dict[str, Any]:
+        conn, rows, hashes = self.calls_conn, self.call_rows, self.calls_hashes[:n]
+        ids, nbg = rows.ids(n), len(bg_hashes)
+        self.log(f"call costs under a concurrent {nbg}-block load: {n} blocks x {self.args.busy} calls per op")
+        samples: dict[str, list[int]] = collections.defaultdict(list)
+        ops = ("start_lookup", "load_lookup", "offload", "touch", "poll_transfers")
+        for i in range(self.args.busy + 1):
+            for op in ops:
+                handle = None
+                if op == "load_lookup":
+                    handle = conn.start_lookup(hashes)
+                    self.wait(handle, "start_lookup")
+                settle(conn, bg_conn)
+                bg_handle = bg_conn.start_lookup(bg_hashes)
+                self.wait(bg_handle, "background start_lookup")
+                bg = bg_conn.load_lookup(bg_handle, {LEAF: bg_rows.ids(nbg)}, {LEAF: bg_hashes})
+                time.sleep(0.001)  # the loop thread is copying by now
+                copying = not bg._future.done()
+                if op == "start_lookup":
+                    ns, result = timed_ns(lambda: conn.start_lookup(hashes))
+                elif op == "load_lookup":
+                    ns, result = timed_ns(lambda: conn.load_lookup(handle, {LEAF: ids}, {LEAF: hashes}))
+                elif op == "offload":
+                    ns, result = timed_ns(lambda: conn.offload({LEAF: ids}, {LEAF: hashes}))
+                elif op == "touch":
+                    ns, result = timed_ns(lambda: conn.touch(hashes))
+                else:
+                    ns, result = timed_ns(conn.poll_transfers)
+                self.wait(bg, "background load")
+                if op == "start_lookup":
+                    self.wait(result, "start_lookup")
+                    conn.abandon_lookup(result)
+                elif op in ("load_lookup", "offload"):
+                    self.wait(result, op)
+                if i >= 1 and copying:  # round 0 warms up; a sample counts only if the copy was still running
+                    samples[op].append(ns)
+        return {op: summary_us(v) for op, v in samples.items() if v}
+
+    # -- 2. throughput
+
+    def throughput(self, page: int, blocks: list[int], busy_n: int | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        from dkv.keys import BlockKey
+
+        args = self.args
+        nmax = max(blocks)
+        self.log(f"throughput set-up: {nmax} blocks of {format_size(page)}")
+        rows = Rows(nmax, page, seed=page)
+        c_local = self.connector("a", rows, NS_LOAD)
+        c_peer = self.connector("a", rows, NS_LOAD, etcd=True, local=False)
+        c_off_shm = self.connector("a", rows, NS_OFF)
+        c_off_ucx = self.connector("a", rows, NS_OFF, local=False)
+        r_local = self.client("a", NS_LOAD, local=True)
+        r_peer = self.client("b", NS_LOAD, local=False)
+        r_off_shm = self.client("a", NS_OFF, local=True)
+        r_off_ucx = self.client("a", NS_OFF, local=False)
+        local_hashes, peer_hashes = chain(nmax), chain(nmax)
+        self.store(r_local, local_hashes, rows)
+        self.store(r_peer, peer_hashes, rows)
+        hints = {n: self.wait_indexed(c_peer, peer_hashes[:n], "b").encode() for n in blocks}
+        group = iter(range(1, 1 << 30))
+
+        def conn_load(conn: Any, hs: list[bytes], n: int, hint: bytes | None) -> float:
+            t0 = time.perf_counter()
+            handle = conn.start_lookup(hs, hint=hint)
+            self.wait(handle, "start_lookup")
+            masks = handle.result()
+            if not all(masks[LEAF]):
+                conn.abandon_lookup(handle)
+                raise BenchError(f"connector lookup found {sum(masks[LEAF])}/{n} blocks")
+            transfer = conn.load_lookup(handle, {LEAF: rows.ids(n)}, {LEAF: hs}, hint=hint)
+            self.wait(transfer, "load")
+            return time.perf_counter() - t0
+
+        def raw_load(client: Any, hs: list[bytes], keys: list[Any], views: list[Any]) -> float:
+            async def go() -> None:
+                found = await client.lookup(hs, [LEAF], 1, lease=True, group=next(group))
+                if not all(found.masks.get(LEAF, [])) or found.lease_id is None:
+                    raise BenchError(f"raw lookup found {sum(found.masks.get(LEAF, []))}/{len(hs)} blocks")
+                await client.read(found.lease_id, keys, views)
+
+            t0 = time.perf_counter()
+            self.run(go())
+            return time.perf_counter() - t0
+
+        def conn_offload(conn: Any, n: int) -> float:
+            hs = chain(n)
+            before = conn.counters.blocks_offloaded
+            t0 = time.perf_counter()
+            transfer = conn.offload({LEAF: rows.ids(n)}, {LEAF: hs})
+            self.wait(transfer, "offload")
+            elapsed = time.perf_counter() - t0
+            if conn.counters.blocks_offloaded - before != n:
+                raise BenchError(f"offload stored {conn.counters.blocks_offloaded - before}/{n} blocks "
+                                 f"({conn.counters.offloads_failed} offloads failed)")
+            return elapsed
+
+        def raw_offload(client: Any, n: int, views: list[Any]) -> float:
+            keys = [BlockKey(LEAF, 0, h) for h in chain(n)]
+            t0 = time.perf_counter()
+            result = self.run(client.write(keys, views))
+            elapsed = time.perf_counter() - t0
+            if result.stored != n:
+                raise BenchError(f"raw write stored {result.stored}/{n}: {collections.Counter(result.statuses)}")
+            return elapsed
+
+        results = []
+        for n in blocks:
+            self.log(f"throughput: {n} x {format_size(page)}: {args.warmup} warm-up + {args.rounds} rounds")
+            views = rows.views[:n]
+            lkeys = [BlockKey(LEAF, 0, h) for h in local_hashes[:n]]
+            pkeys = [BlockKey(LEAF, 0, h) for h in peer_hashes[:n]]
+            samples: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+            verified: dict[str, bool] = collections.defaultdict(lambda: True)
+
+            def load_pair(path: str, first_conn: bool, conn_fn: Callable[[], float], raw_fn: Callable[[], float],
+                          measured: dict[tuple[str, str], float]) -> None:
+                for who in (("connector", "raw") if first_conn else ("raw", "connector")):
+                    rows.zero(n)
+                    settle(*self.connectors)
+                    measured[(path, who)] = conn_fn() if who == "connector" else raw_fn()
+                    verified[f"{path}/{who}"] &= rows.matches(n)
+
+            def offload_pair(path: str, first_conn: bool, conn: Any, client: Any,
+                             measured: dict[tuple[str, str], float]) -> None:
+                rows.load_ref(n)
+                for who in (("connector", "raw") if first_conn else ("raw", "connector")):
+                    self.run(client.clear())
+                    settle(*self.connectors)
+                    measured[(path, who)] = conn_offload(conn, n) if who == "connector" else raw_offload(client, n, views)
+
+            for round_no in range(args.warmup + args.rounds):
+                self.cluster.check_alive()
+                first = round_no % 2 == 0
+                measured: dict[tuple[str, str], float] = {}
+                load_pair("load_local", first, lambda: conn_load(c_local, local_hashes[:n], n, None),
+                          lambda: raw_load(r_local, local_hashes[:n], lkeys, views), measured)
+                load_pair("load_peer", first, lambda: conn_load(c_peer, peer_hashes[:n], n, hints[n]),
+                          lambda: raw_load(r_peer, peer_hashes[:n], pkeys, views), measured)
+                offload_pair("offload_shm", first, c_off_shm, r_off_shm, measured)
+                offload_pair("offload_ucx", first, c_off_ucx, r_off_ucx, measured)
+                if round_no >= args.warmup:
+                    for key, value in measured.items():
+                        samples[key].append(value)
+            self.run(r_off_shm.clear())
+            entry: dict[str, Any] = {"page": page, "page_label": format_size(page), "blocks": n,
+                                     "bytes_per_op": n * page}
+            for (path, who), values in samples.items():
+                entry.setdefault(path, {})[who] = rates(values, n * page)
+            for path in ("load_local", "load_peer", "offload_shm", "offload_ucx"):
+                e = entry[path]
+                e["overhead_best"] = e["connector"]["best_s"] / e["raw"]["best_s"] - 1.0
+                e["overhead_median"] = e["connector"]["median_s"] / e["raw"]["median_s"] - 1.0
+                if path.startswith("load"):
+                    e["verified"] = verified[f"{path}/connector"] and verified[f"{path}/raw"]
+                    self.verified &= e["verified"]
+            results.append(entry)
+
+        busy: dict[str, Any] = {}
+        if busy_n is not None:
+            busy = {"blocks": busy_n, "background": f"connector load of {nmax} x {format_size(page)} (same-host path)",
+                    "ops": self.busy_costs(busy_n, c_local, rows, local_hashes)}
+        self.run(r_local.clear())
+        self.run(r_peer.clear())
+        for conn in (c_local, c_peer, c_off_shm, c_off_ucx):  # free this page size's connectors now
+            conn.shutdown()
+            self.connectors.remove(conn)
+        return results, busy
+
+
+async def _close_all(clients: list[Any]) -> None:
+    import asyncio
+
+    await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+
+
+# ---- goals and report ---------------------------------------------------------------------------
+
+
+def call_goals(calls: dict[str, Any]) -> dict[str, Any]:
+    n = "64" if "64" in calls else min(calls, key=int)
+    goals = {}
+    for op in GOAL_CALL_OPS:
+        s = calls[n][op]
+        goals[f"{op}_{n}_blocks_p50_le_{GOAL_CALL_US:.0f}us"] = s["p50_us"] <= GOAL_CALL_US
+        goals[f"{op}_{n}_blocks_p99_le_{GOAL_CALL_US:.0f}us"] = s["p99_us"] <= GOAL_CALL_US
+    return goals
+
+
+def throughput_goals(results: list[dict[str, Any]]) -> dict[str, bool]:
+    goals = {}
+    for e in results:
+        for path in ("load_local", "load_peer"):
+            goals[f"{path}_{e['blocks']}x{e['page_label']}_overhead_le_{GOAL_OVERHEAD:.0%}"] = (
+                e[path]["overhead_best"] <= GOAL_OVERHEAD)
+    return goals
+
+
+CALL_ROWS = [
+    ("lookup", "lookup (sync: blocks one round trip)"),
+    ("start_lookup", "start_lookup (return)"),
+    ("start_lookup_hint", "start_lookup with a hint (return)"),
+    ("load", "load (return: validate + post)"),
+    ("load_lookup", "load_lookup (return: validate + post)"),
+    ("offload", "offload (return: validate + post)"),
+    ("touch", "touch (return)"),
+    ("probe_hit", "probe, chain announced"),
+    ("probe_miss", "probe, nothing announced"),
+    ("poll_transfers", "poll_transfers"),
+    ("take_metrics", "take_metrics"),
+]
+
+
+def print_report(doc: dict[str, Any], load_start: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if console.width < 150:
+        console = Console(width=150)
+    cfg = doc["config"]
+
+    def us_cell(value: float, goal: bool) -> str:
+        text = f"{value:,.0f}" if value >= 10 else f"{value:.1f}"
+        if not goal:
+            return text
+        return f"[green]{text}[/]" if value <= GOAL_CALL_US else f"[red]{text}[/]"
+
+    calls = doc["calls"]
+    table = Table(title=f"Scheduler-thread cost per call, µs (p50 / p99 of {cfg['repeat']} calls, loop thread idle; "
+                        f"{format_size(cfg['call_page'])} pages)")
+    table.add_column("call")
+    for n in calls:
+        table.add_column(f"{n} blocks\np50", justify="right")
+        table.add_column(f"{n} blocks\np99", justify="right")
+    for op, label in CALL_ROWS:
+        cells = []
+        for n, per_op in calls.items():
+            s = per_op[op]
+            goal = op in GOAL_CALL_OPS and n == "64"
+            cells += [us_cell(s["p50_us"], goal), us_cell(s["p99_us"], goal)]
+        table.add_row(label, *cells)
+    console.print(table)
+
+    busy = doc.get("busy") or {}
+    if busy.get("ops"):
+        table = Table(title=f"Same calls, {busy['blocks']} blocks, while a {busy['background']} copies on the loop "
+                            f"thread, µs")
+        for col in ("call", "samples", "p50", "p99", "max", "idle p50"):
+            table.add_column(col, justify="right" if col != "call" else "left")
+        idle = calls.get(str(busy["blocks"]), {})
+        for op, s in busy["ops"].items():
+            table.add_row(op, str(s["n"]), us_cell(s["p50_us"], False), us_cell(s["p99_us"], False),
+                          us_cell(s["max_us"], False), us_cell(idle[op]["p50_us"], False) if op in idle else "-")
+        console.print(table)
+
+    for stat in ("best", "median"):
+        table = Table(title=f"Throughput through the connector vs the raw node path, GB/s ({stat} of {cfg['rounds']} "
+                            f"rounds after {cfg['warmup']} warm-up)")
+        for col in ("page", "blocks", "path", "connector", "raw node", "connector\ntime / raw", "bit-exact"):
+            table.add_column(col, justify="right" if col != "path" else "left")
+        for e in doc["throughput"]:
+            for path, label in (("load_local", "load, local (shm)"), ("load_peer", "load, peer via hint (ucx)"),
+                                ("offload_shm", "offload (shm)"), ("offload_ucx", "offload (ucx)")):
+                p = e[path]
+                over = p[f"overhead_{stat}"]
+                text = f"{1 + over:.0%}"
+                if path.startswith("load"):
+                    text = f"[green]{text}[/]" if over <= GOAL_OVERHEAD else f"[red]{text}[/]"
+                exact = "-" if "verified" not in p else ("[green]yes[/]" if p["verified"] else "[bold red]NO[/]")
+                table.add_row(e["page_label"], str(e["blocks"]), label, f"{p['connector'][stat]:.2f}",
+                              f"{p['raw'][stat]:.2f}", text, exact)
+        console.print(table)
+
+    console.print(
+        f"Goals: load, load_lookup and offload return in <= {GOAL_CALL_US:.0f} µs for 64 blocks (judged at p50 and "
+        f"p99, loop idle); connector load time <= {1 + GOAL_OVERHEAD:.0%} of the raw node path's (best vs best).\n"
+        "Connector load = start_lookup -> complete -> result() -> load_lookup -> complete; raw = one coroutine on "
+        "the same loop thread: NodeClient.lookup (leased) + read of the same keys into the same rows. Peer = node b, "
+        "named by the router's hint, over the listener path (loopback UCX; connector local=False). Offload = fresh "
+        "hashes to node a: connector offload -> complete vs NodeClient.write. Completion is awaited "
+        + ("through the handle's future (no polling)." if cfg["poll_us"] <= 0 else f"by polling every {cfg['poll_us']} µs.")
+    )
+    for name, met in doc["goals_met"].items():
+        console.print(f"  {name}: {'[green]met[/]' if met else '[red]missed[/]'}")
+    console.print(f"Machine: {os.cpu_count()} CPUs; load average {load_start:.2f} at start, {os.getloadavg()[0]:.2f} "
+                  "at end (this run keeps ~2 processes busy while it measures; more means other work skewed it).")
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+    import ucxx
+
+    info: dict[str, Any] = {
+        "nproc": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "numpy": np.__version__,
+        "torch": torch.__version__,
+        "ucxx": getattr(ucxx, "__version__", "?"),
+        "ucx_progress_mode": os.environ.get("DKV_UCX_PROGRESS", "thread"),
+        "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
+        "switch_interval_s": sys.getswitchinterval(),
+        "loadavg_end": list(os.getloadavg()),
+    }
+    try:
+        with open("/proc/meminfo") as f:
+            info["mem_total_kib"] = int(f.readline().split()[1])
+        with open("/proc/cpuinfo") as f:
+            info["cpu_model"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
+    except (OSError, ValueError, IndexError):
+        pass
+    return info
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--blocks", default=DEFAULT_BLOCKS, help=f"comma-separated block counts (default {DEFAULT_BLOCKS})")
+    parser.add_argument("--page", default=DEFAULT_PAGE,
+                        help=f"comma-separated page sizes for throughput (default {DEFAULT_PAGE}; e.g. 64KiB,256KiB)")
+    parser.add_argument("--repeat", type=int, default=200, help="timed calls per op for the call costs (default 200)")
+    parser.add_argument("--rounds", type=int, default=5, help="timed throughput rounds (default 5)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed throughput rounds before them (default 1)")
+    parser.add_argument("--call-page", default="4KiB", help="page size for the call-cost connector (default 4KiB)")
+    parser.add_argument("--busy", type=int, default=30,
+                        help="calls per op under a concurrent load (default 30; 0 skips)")
+    parser.add_argument("--poll-us", type=float, default=0.0,
+                        help="poll is_complete() every N µs instead of waiting on the handle's future (default 0)")
+    parser.add_argument("--json", type=Path, default=None, help="write every number to this JSON file")
+    args = parser.parse_args(argv)
+    try:
+        args.block_list = sorted({int(b) for b in args.blocks.split(",") if b.strip()})
+        args.page_list = [parse_size(s) for s in args.page.split(",") if s.strip()]
+        args.call_page = parse_size(args.call_page)
+    except (DKVError, ValueError) as exc:
+        parser.error(str(exc))
+    if not args.block_list or any(not 1 <= b <= 65536 for b in args.block_list):
+        parser.error("--blocks must be counts in [1, 65536]")
+    if not args.page_list or any(p <= 0 for p in args.page_list) or args.call_page <= 0:
+        parser.error("page sizes must be positive")
+    if args.repeat < 1 or args.rounds < 1 or args.warmup < 0 or args.busy < 0 or args.poll_us < 0:
+        parser.error("--repeat and --rounds must be >= 1; --warmup, --busy and --poll-us >= 0")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    from rich.console import Console
+
+    from cluster.process import NodeStartError
+
+    err = Console(stderr=True)
+    log = lambda msg: err.log(msg)  # noqa: E731
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks
+    nmax, pmax = max(args.block_list), max(args.page_list)
+    margin = 64 * 2**20
+    pools = {"a": int(nmax * (args.call_page + 2 * pmax) * 1.25) + margin, "b": int(nmax * pmax * 1.25) + margin}
+    started = time.time()
+    load_start = list(os.getloadavg())
+    doc: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="dkv-bench-conn-") as tmp:
+        cluster = Cluster(Path(tmp))
+        bench: Bench | None = None
+        try:
+            cluster.start(pools, log)
+            bench = Bench(cluster, args, log)
+            calls = bench.call_costs(args.block_list)
+            throughput: list[dict[str, Any]] = []
+            busy: dict[str, Any] = {}
+            for i, page in enumerate(args.page_list):
+                busy_n = min(args.block_list) if (i == 0 and args.busy) else None
+                results, b = bench.throughput(page, args.block_list, busy_n)
+                throughput += results
+                busy = busy or b
+            goals = {**call_goals(calls), **throughput_goals(throughput)}
+            doc = {
+                "config": {"blocks": args.block_list, "pages": args.page_list, "call_page": args.call_page,
+                           "repeat": args.repeat, "rounds": args.rounds, "warmup": args.warmup, "busy": args.busy,
+                           "poll_us": args.poll_us, "pools": pools, "leaves": 1, "tp_shards": 1,
+                           "device": "cpu", "unit_throughput": "GB/s (1e9 bytes/s) of block payload",
+                           "connector_load_timing": "start_lookup -> complete -> result() -> load_lookup -> complete",
+                           "raw_load_timing": "one loop.run of NodeClient.lookup(lease) + NodeClient.read",
+                           "peer_path": "node b named by the router's hint; connector local=False (listener/UCX)",
+                           "offload_timing": "connector offload -> complete vs NodeClient.write, fresh hashes"},
+                "goals": {"call_return_us": GOAL_CALL_US, "call_ops": list(GOAL_CALL_OPS),
+                          "load_overhead_max": GOAL_OVERHEAD},
+                "calls": calls,
+                "busy": busy,
+                "throughput": throughput,
+                "goals_met": goals,
+                "verified": bench.verified,
+            }
+        except KeyboardInterrupt:
+            err.print("[bold red]interrupted[/]: shutting down the connectors, stopping the nodes and etcd")
+            return 130
+        except SystemExit as exc:
+            err.print("[bold red]terminated[/]: shutting down the connectors, stopping the nodes and etcd")
+            return int(exc.code or 143)
+        except (DKVError, BenchError, NodeStartError, TimeoutError, RuntimeError) as exc:
+            err.print(f"[bold red]benchmark failed:[/] {type(exc).__name__}: {exc}")
+            err.print(cluster.log_tails())
+            return 2
+        finally:
+            if bench is not None:
+                bench.close()
+            cluster.stop()
+
+    doc["machine"] = {**machine_info(), "loadavg_start": load_start}
+    doc["elapsed_s"] = time.time() - started
+    print_report(doc, load_start[0])
+    if args.json is not None:
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+    if not doc["verified"]:
+        Console(stderr=True).print("[bold red]bit-exact verification FAILED[/] (see the bit-exact column)")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
