@@ -15,7 +15,7 @@ cluster_app = typer.Typer(no_args_is_help=True, add_completion=False,
 
 
 def _fail(message: str) -> None:
-    Console(stderr=True).print(f"[bold red]error:[/] {message}")
+    Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {message}")
     raise typer.Exit(2)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
 import shutil
 import signal
@@ -157,8 +158,10 @@ def _run_dkv(config: DemoConfig, progress: _Progress, nodes: list[tuple[str, str
         for i in range(config.engines):
             node_id, address = nodes[i % len(nodes)]
             engine = Engine(config.model, block_size=config.block_size, num_pages=config.num_pages)
+            token = os.environ.get("DKV_TOKEN")
             conn = DKVConnector(engine.leaf_specs, engine.device_blocks, namespace=namespace, node=address,
-                                node_id=node_id, etcd=etcd_url, cluster=cluster)
+                                node_id=node_id, etcd=etcd_url, cluster=cluster,
+                                token=token.encode() if token else None)
             engine.attach_connector(conn)
             engines.append(engine)
             connectors.append(conn)
@@ -274,6 +277,8 @@ def _chart(records: list[RequestRecord], config: DemoConfig, path: Path) -> None
     xs = list(turns)
     ax1.bar([x - 0.2 for x in xs], base, width=0.4, label="dKV off (recompute)")
     ax1.bar([x + 0.2 for x in xs], dkv, width=0.4, label="dKV on")
+    ax1.set_xticks(xs)
+    ax2.set_xticks(xs)
     ax1.set_xlabel("turn")
     ax1.set_ylabel("prefill seconds (all conversations)")
     ax1.set_title("Prefill time per turn")

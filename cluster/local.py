@@ -98,6 +98,14 @@ def topology(nodes: int, *, pool: str = "1GiB", cluster: str = DEFAULT_CLUSTER) 
     return services
 
 
+def local_command(command: list[str], etcd_url: str) -> list[str]:
+    """A topology command as the local launcher runs it: this interpreter, a free loopback port, local etcd."""
+    local = [sys.executable, "-m", "dkv.cli", *command[1:]]
+    for flag, value in (("--listen", "127.0.0.1:0"), ("--etcd", etcd_url)):
+        local[local.index(flag) + 1] = value
+    return local
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -166,9 +174,8 @@ def up(directory: str | Path, nodes: int = 3, *, pool: str = "256MiB", cluster: 
         for i in range(nodes):
             node_id = f"node-{i}"
             ready = directory / f"{node_id}.ready"
-            cmd = [sys.executable, "-m", "dkv.cli", "serve", "--listen", "127.0.0.1:0", "--pool", pool,
-                   "--etcd", record.etcd_url, "--node-id", node_id, "--cluster", cluster,
-                   "--ready-file", str(ready), *extra_node_args]
+            cmd = local_command(topology(nodes, pool=pool, cluster=cluster)[node_id]["command"],
+                                record.etcd_url) + ["--ready-file", str(ready), *extra_node_args]
             procs.append((node_id, ready, _spawn(cmd, directory / f"{node_id}.log")))
         deadline = time.monotonic() + ready_timeout
         for node_id, ready, proc in procs:

@@ -43,7 +43,7 @@ def _console() -> Console:
 
 
 def _fail(message: str) -> None:
-    Console(stderr=True).print(f"[bold red]error:[/] {message}")
+    Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {message}")
     raise typer.Exit(2)
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One entry point that does all the set-up, then runs what you asked for.
-#   scripts/run.sh demo   set up, then run the main job (a node and a smoke round trip)
+#   scripts/run.sh demo   set up, then run the main job: `dkv demo` (etcd + 3 nodes + 3 engines, dKV on vs off)
 #   scripts/run.sh test   set up, then run the test suite
 # Set-up is idempotent and quick once done: Debian packages (etcd), a virtual
 # environment in .venv, and this project installed into it with its pinned deps.
@@ -38,7 +38,7 @@ shift || true
 case "$cmd" in
   demo)
     setup
-    exec "$VENV/bin/python" scripts/smoke.py "$@"
+    exec "$VENV/bin/dkv" demo "$@"
     ;;
   test)
     setup

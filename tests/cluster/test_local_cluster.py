@@ -1,0 +1,77 @@
+"""`dkv cluster up/status/down` and the demo, as a newcomer runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def _dkv(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "dkv.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def test_cluster_up_status_down_leaves_nothing_behind(tmp_path: Path) -> None:
+    directory = tmp_path / "c"
+    shm_before = set(os.listdir("/dev/shm"))
+    up = _dkv("cluster", "up", "--nodes", "3", "--dir", str(directory), "--pool", "32MiB")
+    try:
+        assert up.returncode == 0, up.stderr
+        status = _dkv("cluster", "status", "--dir", str(directory), "--json")
+        assert status.returncode == 0, status.stderr
+        info = json.loads(status.stdout)
+        assert info["etcd"]["alive"] and len(info["nodes"]) == 3
+        assert all(n["alive"] and n["registered"] for n in info["nodes"])
+        pids = [info["etcd"]["pid"], *(n["pid"] for n in info["nodes"])]
+        assert set(os.listdir("/dev/shm")) - shm_before == {n["shm"] for n in info["nodes"]}
+    finally:
+        down = _dkv("cluster", "down", "--dir", str(directory))
+    assert down.returncode == 0, down.stderr
+    assert not [p for p in pids if _pid_alive(p)], "every recorded process must be gone"
+    assert set(os.listdir("/dev/shm")) - shm_before == set(), "no shared-memory segment left"
+    assert sorted(p.name for p in directory.iterdir()) == ["etcd.log", "node-0.log", "node-1.log", "node-2.log"]
+    again = _dkv("cluster", "status", "--dir", str(directory))
+    assert again.returncode == 2 and "no cluster recorded" in again.stderr
+
+
+def test_second_up_in_the_same_directory_is_refused(tmp_path: Path) -> None:
+    directory = tmp_path / "c"
+    assert _dkv("cluster", "up", "--nodes", "1", "--dir", str(directory), "--pool", "16MiB").returncode == 0
+    try:
+        again = _dkv("cluster", "up", "--nodes", "1", "--dir", str(directory), "--pool", "16MiB")
+        assert again.returncode == 2 and "already records a cluster" in again.stderr
+    finally:
+        assert _dkv("cluster", "down", "--dir", str(directory)).returncode == 0
+
+
+def test_demo_serves_peer_hits_bit_exact_and_cleans_up(tmp_path: Path) -> None:
+    shm_before = set(os.listdir("/dev/shm"))
+    result = _dkv("demo", "--small", "--out", str(tmp_path / "out"), timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["bit_exact"] is True
+    assert report["peer_hits"] > 0 and report["peer_hit_blocks"] > 0
+    assert report["requests"] == len(report["requests_detail"]) > 0
+    assert (tmp_path / "out" / "chart.png").stat().st_size > 1000
+    assert "every loaded continuation bit-exact" in result.stdout
+    assert set(os.listdir("/dev/shm")) - shm_before == set(), "the demo's cluster must be torn down"
+
+
+@pytest.mark.parametrize("missing", ["etcd"])
+def test_cluster_up_without_etcd_names_the_package(tmp_path: Path, missing: str) -> None:
+    env = {**os.environ, "PATH": "/nonexistent"}
+    result = subprocess.run([sys.executable, "-m", "dkv.cli", "cluster", "up", "--dir", str(tmp_path / "c")],
+                            capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 2 and "etcd-server" in result.stderr
