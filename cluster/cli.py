@@ -10,13 +10,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from dkv.cli import fail as _fail
+
 cluster_app = typer.Typer(no_args_is_help=True, add_completion=False,
                           help="A local cluster: etcd and N dKV nodes as processes.")
-
-
-def _fail(message: str) -> None:
-    Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {message}")
-    raise typer.Exit(2)
 
 
 @cluster_app.command("up")

@@ -42,7 +42,8 @@ def _console() -> Console:
     return console if console.is_terminal else Console(width=200)
 
 
-def _fail(message: str) -> None:
+def fail(message: str) -> None:
+    """Print a one-line error (no traceback) and exit with status 2."""
     Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {message}")
     raise typer.Exit(2)
 
@@ -94,7 +95,7 @@ def serve(
                                            publish_every=publish_every)
         asyncio.run(_serve(config, cluster_config, ready_file))
     except (DKVError, ValueError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
 
 
 async def _serve(config: Any, cluster_config: Any, ready_file: Path | None) -> None:
@@ -135,7 +136,7 @@ def stats(
     try:
         result = asyncio.run(_fetch_stats(address, read_token(token_file), timeout))
     except (DKVError, ValueError) as exc:
-        _fail(f"{address}: {exc}")
+        fail(f"{address}: {exc}")
     if as_json:
         print(json.dumps(result, indent=2, sort_keys=True))
         return
@@ -236,7 +237,7 @@ def peers(etcd: EtcdOption, cluster: ClusterOption = "default", etcd_prefix: Pre
     try:
         rows = asyncio.run(_with_router(etcd, cluster, etcd_prefix, collect))
     except DKVError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     if as_json:
         print(json.dumps(rows, indent=2, sort_keys=True))
         return
@@ -262,7 +263,7 @@ def where(hashes: Annotated[list[str], typer.Argument(help="Block hashes in hex.
         found = asyncio.run(_with_router(etcd, cluster, etcd_prefix,
                                          lambda r, c: _async_value({h.hex(): sorted(r.holders(ns, h)) for h in wanted})))
     except DKVError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     if as_json:
         print(json.dumps(found, indent=2))
         return
@@ -283,7 +284,7 @@ def route(hashes: Annotated[list[str], typer.Argument(help="The request's block 
         wanted = _hashes(hashes)
         chosen = asyncio.run(_with_router(etcd, cluster, etcd_prefix, lambda r, c: _async_value(r.route(ns, wanted))))
     except DKVError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     result = {"peer": chosen.peer.node_id if chosen.peer else None,
               "address": chosen.peer.address if chosen.peer else None,
               "depth": chosen.depth, "of": len(wanted),
@@ -329,7 +330,7 @@ def watch(etcd: EtcdOption, cluster: ClusterOption = "default", etcd_prefix: Pre
     try:
         asyncio.run(_with_router(etcd, cluster, etcd_prefix, follow, follow=True, on_event=show))
     except DKVError as exc:
-        _fail(str(exc))
+        fail(str(exc))
 
 
 async def _async_value(value: Any) -> Any:

@@ -31,10 +31,10 @@ Throughput is GB/s (10**9 bytes/s) of block payload; best and median of ``--repe
 listener read and put >= 80% of raw ucxx.
 
 Runs are interleaved (each round measures memcpy, raw ucxx, local, listener once) so that a
-ratio compares numbers from the same time window. In dKV's default ``blocking`` UCX progress
-mode an idle process that has seen a UCX event keeps spinning a core, so the server not being
-measured (node or raw child) is held with SIGSTOP meanwhile: every measurement then has exactly
-two active processes (or one, for memcpy), as it would on a real pair of peers.
+ratio compares numbers from the same time window. The server not being measured (node or raw
+child) is held with SIGSTOP meanwhile, so every measurement has exactly two active processes (or
+one, for memcpy), as it would on a real pair of peers; this also keeps ucxx's busy-waiting
+``blocking``/``polling`` modes (``DKV_UCX_PROGRESS``) comparable with the default ``thread`` mode.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ CHILD_STOP_TIMEOUT = 5.0
 RAW_IDLE_TIMEOUT = 600.0
 GOAL_LOCAL_READ_VS_MEMCPY = 0.5
 GOAL_LISTENER_VS_RAW = 0.8
-PROGRESS_MODE = os.environ.get("DKV_UCX_PROGRESS", "blocking")
+PROGRESS_MODE = os.environ.get("DKV_UCX_PROGRESS", "thread")
 
 
 class BenchError(RuntimeError):
@@ -324,10 +324,10 @@ async def dkv_once(client: Any, src: Blocks, dst: Blocks) -> tuple[float, float,
 class Processes:
     """The node and the raw server child: paused while the other is measured, stopped in ``finally``.
 
-    With dKV's default ``blocking`` UCX progress mode a process that has seen one UCX event
-    keeps its event loop spinning (a full core) even when idle. On a 2-core machine a third
-    spinning process would steal CPU from the pair being measured, so whichever of the two
-    servers is not being measured is held with SIGSTOP (and both during memcpy).
+    In ucxx's ``blocking`` progress mode (``DKV_UCX_PROGRESS=blocking``) a process keeps its
+    event loop spinning even when idle; on a 2-core machine a third busy process would steal
+    CPU from the pair being measured, so whichever of the two servers is not being measured is
+    held with SIGSTOP (and both during memcpy).
     """
 
     def __init__(self, workdir: Path) -> None:
