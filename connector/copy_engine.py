@@ -56,26 +56,45 @@ def host_buffer(row: torch.Tensor) -> Any:
     return row.numpy()
 
 
+Rows = Sequence[tuple[torch.Tensor, int]]  # (a leaf's shard tensor, block id): one device row each
+
+
 class CopyEngine:
-    """Copies for one device (see module docstring)."""
+    """Copies for one device (see module docstring).
+
+    Rows are named as ``(tensor, block id)`` pairs, so the caller's thread does
+    no per-row work: views are made where the bytes move (the UCX loop thread).
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        self._numpy: dict[int, Any] = {}
 
-    def load_targets(self, rows: Sequence[torch.Tensor]) -> tuple[list[Any], Callable[[], Completion]]:
+    def _cpu_views(self, rows: Rows) -> list[Any]:
+        cache = self._numpy
+        views = []
+        for tensor, block_id in rows:
+            array = cache.get(id(tensor))
+            if array is None:
+                array = cache[id(tensor)] = tensor.numpy()
+            views.append(array[block_id])
+        return views
+
+    def load_targets(self, rows: Rows) -> tuple[list[Any], Callable[[], Completion]]:
         """Host buffers the network fills for ``rows``, and a function that finishes the copy.
 
         Call the finisher once every buffer is filled (on any thread); it returns a
         :class:`Completion` that turns done when the rows hold the bytes.
         """
         if self._stream is None:
-            return [host_buffer(r) for r in rows], Done
-        staging = [torch.empty(r.numel(), dtype=torch.uint8, pin_memory=True) for r in rows]
+            return self._cpu_views(rows), Done
+        device_rows = [tensor[block_id] for tensor, block_id in rows]
+        staging = [torch.empty(r.numel(), dtype=torch.uint8, pin_memory=True) for r in device_rows]
 
         def finish() -> Completion:
             with torch.cuda.stream(self._stream):
-                for row, host in zip(rows, staging):
+                for row, host in zip(device_rows, staging):
                     row.copy_(host, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self._stream)
@@ -83,15 +102,20 @@ class CopyEngine:
 
         return [host_buffer(s) for s in staging], finish
 
-    def offload_sources(self, rows: Sequence[torch.Tensor]) -> tuple[list[Any], Completion]:
-        """Host buffers holding ``rows``' bytes once the returned completion is done."""
+    def offload_sources(self, rows: Rows) -> tuple[Callable[[], list[Any]], Completion]:
+        """A function giving host buffers with ``rows``' bytes once the returned completion is done.
+
+        On CUDA the device-to-host copies are queued here, on the caller's thread,
+        behind the work already on the compute stream; on CPU nothing happens here.
+        """
         if self._stream is None:
-            return [host_buffer(r) for r in rows], Done()
-        staging = [torch.empty(r.numel(), dtype=torch.uint8, pin_memory=True) for r in rows]
+            return (lambda: self._cpu_views(rows)), Done()
+        device_rows = [tensor[block_id] for tensor, block_id in rows]
+        staging = [torch.empty(r.numel(), dtype=torch.uint8, pin_memory=True) for r in device_rows]
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
-            for row, host in zip(rows, staging):
+            for row, host in zip(device_rows, staging):
                 host.copy_(row, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._stream)
-        return [host_buffer(s) for s in staging], CudaEventCompletion(event, staging)
+        return (lambda: [host_buffer(s) for s in staging]), CudaEventCompletion(event, staging)

@@ -217,6 +217,7 @@ class DKVConnector:
         self._leaves = dict(leaves)
         self._validate_blocks(device_blocks)
         self._blocks = [dict(replica) for replica in device_blocks]
+        self._pages = [{leaf: shards[0].shape[0] for leaf, shards in replica.items()} for replica in self._blocks]
         self.namespace = check_namespace(namespace)
         self.node_address = node
         self.timeout = timeout
@@ -471,22 +472,25 @@ class DKVConnector:
 
     def _load(self, state: _LeaseState | None, block_ids: Mapping[str, Sequence[int]],
               block_hashes: Mapping[str, Sequence[bytes]], replica_idx: int, hint: bytes | None) -> Any:
-        self._check_replica(replica_idx)
-        plan = self._plan(block_ids, block_hashes, replica_idx)
-        if not plan:
+        try:
+            self._check_replica(replica_idx)
+            keys, rows = self._plan(block_ids, block_hashes, replica_idx)
+        except ValueError:
+            if state is not None:
+                self._release(state)  # bad input must not leave the lookup's lease pinned
+            raise
+        if not keys:
             if state is not None:
                 self._release(state)
             return CompletedTransfer()
         try:
-            self._check_covered(state, plan, hint)
+            self._check_covered(state, keys, hint)
         except KVLoadRefused:
             self.counters.loads_refused += 1
             if state is not None:
                 self._release(state)
             raise
         assert state is not None
-        keys = [BlockKey(leaf, shard, h) for leaf, shard, h, _row in plan]
-        rows = [row for *_k, row in plan]
         try:
             future = self._submit(self._read(state, keys, rows))
         except Exception as exc:
@@ -498,9 +502,13 @@ class DKVConnector:
         return transfer
 
     def _plan(self, block_ids: Mapping[str, Sequence[int]], block_hashes: Mapping[str, Sequence[bytes]],
-              replica_idx: int) -> list[tuple[str, int, bytes, torch.Tensor]]:
-        """``(leaf, shard, hash, device row)`` for every block to move; ``ValueError`` on bad input."""
-        plan = []
+              replica_idx: int) -> tuple[list[BlockKey], list[tuple[torch.Tensor, int]]]:
+        """Keys and ``(shard tensor, block id)`` rows of every block to move; ``ValueError`` on bad input.
+
+        Runs on the scheduler thread, so it only validates and lists: no tensor views.
+        """
+        keys: list[BlockKey] = []
+        rows: list[tuple[torch.Tensor, int]] = []
         for leaf, ids in block_ids.items():
             if leaf not in self._leaves:
                 raise ValueError(f"unknown leaf {leaf!r}")
@@ -508,17 +516,20 @@ class DKVConnector:
             if len(ids) != len(hashes):
                 raise ValueError(f"leaf {leaf!r}: {len(ids)} block ids for {len(hashes)} hashes")
             shards = self._blocks[replica_idx][leaf]
-            pages = shards[0].shape[0]
+            pages = self._pages[replica_idx][leaf]
             for block_id, block_hash in zip(ids, hashes):
-                check_hash(block_hash)
-                if not 0 < int(block_id) < pages:
+                if type(block_hash) is not bytes or len(block_hash) not in (8, 32):
+                    check_hash(block_hash)  # raises the boundary's ValueError
+                    block_hash = bytes(block_hash)
+                block_id = int(block_id)
+                if not 0 < block_id < pages:
                     raise ValueError(f"leaf {leaf!r}: block id {block_id} outside 1..{pages - 1}")
                 for shard, tensor in enumerate(shards):
-                    plan.append((leaf, shard, bytes(block_hash), tensor[int(block_id)]))
-        return plan
+                    keys.append(BlockKey(leaf, shard, block_hash))
+                    rows.append((tensor, block_id))
+        return keys, rows
 
-    def _check_covered(self, state: _LeaseState | None, plan: list[tuple[str, int, bytes, torch.Tensor]],
-                       hint: bytes | None) -> None:
+    def _check_covered(self, state: _LeaseState | None, keys: list[BlockKey], hint: bytes | None) -> None:
         if state is None:
             raise KVLoadRefused("no completed lookup precedes this load (or it found nothing)")
         if state.hint != hint:
@@ -528,19 +539,19 @@ class DKVConnector:
         if time.monotonic() > state.expires_at - LEASE_MARGIN:
             raise KVLoadRefused("the lookup's lease expired before the load")
         reported = {leaf: {h for h, ok in zip(state.hashes, mask) if ok} for leaf, mask in state.masks.items()}
-        for leaf, _shard, block_hash, _row in plan:
+        for leaf, _shard, block_hash in keys:
             if block_hash not in reported.get(leaf, ()):
                 raise KVLoadRefused(f"leaf {leaf!r}: block was not reported by the lookup", leaf, block_hash)
 
-    async def _read(self, state: _LeaseState, keys: list[BlockKey], rows: list[torch.Tensor]) -> Completion:
-        copy = self._copy[rows[0].device]
+    async def _read(self, state: _LeaseState, keys: list[BlockKey], rows: list[tuple[torch.Tensor, int]]) -> Completion:
+        copy = self._copy[rows[0][0].device]
         targets, finish = copy.load_targets(rows)
         try:
             await self._client(state.address).read(state.lease_id, keys, targets)  # type: ignore[arg-type]
         except Exception:
             self.counters.loads_failed += 1
             raise
-        nbytes = sum(int(r.numel()) for r in rows)
+        nbytes = sum(int(t.shape[1]) for t, _ in rows)
         self.counters.blocks_loaded += len(keys)
         with self._metrics_lock:
             self._metrics.h2d_bytes_copied += nbytes
@@ -557,24 +568,23 @@ class DKVConnector:
         raising (the blocks are simply not stored) and is counted.
         """
         self._check_replica(replica_idx)
-        plan = self._plan(block_ids, block_hashes, replica_idx)
-        if not plan or self._closed:
+        keys, rows = self._plan(block_ids, block_hashes, replica_idx)
+        if not keys or self._closed:
             return CompletedTransfer()
-        keys = [BlockKey(leaf, shard, h) for leaf, shard, h, _row in plan]
-        rows = [row for *_k, row in plan]
-        sources, ready = self._copy[rows[0].device].offload_sources(rows)
+        sources, ready = self._copy[rows[0][0].device].offload_sources(rows)
+        nbytes = sum(int(t.shape[1]) for t, _ in rows)
 
         async def run() -> None:
             while not ready.is_done():
                 await asyncio.sleep(0.0005)
             try:
-                result = await self._client(self.node_address).write(keys, sources)
+                result = await self._client(self.node_address).write(keys, sources())
             except Exception:
                 self.counters.offloads_failed += 1
                 raise
             self.counters.blocks_offloaded += result.stored
             with self._metrics_lock:
-                self._metrics.d2h_bytes_copied += sum(int(r.numel()) for r in rows)
+                self._metrics.d2h_bytes_copied += nbytes
             return None
 
         pinned = {leaf: list(ids) for leaf, ids in block_ids.items() if ids}

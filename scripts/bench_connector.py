@@ -3,8 +3,9 @@
 
 Usage::
 
-    python scripts/bench_connector.py [--blocks 64,1024] [--page 64KiB] [--repeat 200] [--rounds 5]
-                                      [--warmup 1] [--call-page 4KiB] [--busy 30] [--poll-us 0] [--json out.json]
+    python scripts/bench_connector.py [--blocks 64,1024] [--page 64KiB] [--repeat 200] [--rounds 10]
+                                      [--warmup 1] [--call-page 4KiB] [--busy 30] [--poll-us 0] [--gc-freeze]
+                                      [--json out.json]
 
 Set-up (all real processes, stopped by PID in ``finally``): one etcd, node ``a`` (the co-located
 node) and node ``b`` (the peer), both cluster members (``--etcd URL --node-id ID``) so that the
@@ -25,15 +26,22 @@ block is one key; device blocks are CPU ``uint8`` tensors (the copy engine's no-
    calls use ``--call-page`` pages: on CPU tensors no call touches block bytes on the calling
    thread, so the page size does not change them (the copies run on the loop thread).
    ``--busy N`` repeats the posting calls N times for the smallest block count while a real
-   connector load of the largest block count (``--page`` pages, same-host path) is copying on the
-   loop thread: the cost an engine sees when it posts work while earlier transfers are moving.
-   Goal: ``load`` and ``load_lookup`` and ``offload`` return in <= 200 µs for 64 blocks
-   (judged at p50 and at p99, idle).
+   connector load of the largest block count (first ``--page`` size, same-host path) is copying
+   on the loop thread (a sample counts only if the copy is running as the call starts): the cost
+   an engine sees when it posts work while earlier transfers are moving. Every timed call also
+   records whether the garbage collector ran meanwhile (in any thread), to explain tails: a
+   full collection of a process that imported torch and ucxx scans ~200 k objects (tens of ms
+   on a small machine); ``--gc-freeze`` freezes what each section's set-up left alive, as
+   engines often do after start-up.
+   Goal: ``load``, ``load_lookup`` and ``offload`` return in <= 200 µs for 64 blocks (judged at
+   p50 and at p99, loop idle).
 
 2. **Throughput** (GB/s = 1e9 bytes/s of block payload; best and median of ``--rounds`` rounds
-   after ``--warmup``), for every ``--blocks`` count and every ``--page`` size. Rounds interleave
-   every measurement (connector and raw alternate which goes first), so each ratio compares
-   numbers taken in the same time window.
+   after ``--warmup``; a smaller block count gets up to 4x as many rounds), for every ``--blocks``
+   count and every ``--page`` size. Rounds interleave every measurement, and within a round the
+   connector and the raw path run back to back (alternating which goes first), so the per-round
+   ratio connector time / raw time compares numbers taken in the same time window; the goal is
+   judged on the median of those paired ratios (best-vs-best is shown too).
 
    * ``load local``: node ``a`` over the same-host (shared-memory) path. Connector =
      ``start_lookup`` -> complete -> ``result()`` -> ``load_lookup`` -> transfer complete;
@@ -50,7 +58,7 @@ block is one key; device blocks are CPU ``uint8`` tensors (the copy engine's no-
    every offload must store all of its blocks. Completion is awaited through the handle's
    future (a done-callback sets an event: no polling, no GIL contention from a spinning
    waiter); ``--poll-us N`` polls ``is_complete()`` every N µs instead, as an engine's step
-   loop would. Goal: connector load time <= 110 % of the raw node path's (best vs best).
+   loop would. Goal: connector load time <= 110 % of the raw node path's (median paired ratio).
 
 Exit status: 0, 1 if a bit-exact check failed, 2 on an error, 130/143 on SIGINT/SIGTERM
 (always after shutting the connectors down and stopping the nodes and etcd).
@@ -61,6 +69,7 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import gc
 import json
 import os
 import platform
@@ -94,6 +103,7 @@ INDEX_TIMEOUT = 30.0  # until the router has seen a dataset's directory entries
 GOAL_CALL_US = 200.0
 GOAL_OVERHEAD = 0.10
 GOAL_CALL_OPS = ("load", "load_lookup", "offload")
+SMALL_ROUNDS_FACTOR = 4  # a smaller block count gets up to this many times --rounds (its ops are short)
 DEFAULT_BLOCKS = "64,1024"
 DEFAULT_PAGE = "64KiB"
 
@@ -161,10 +171,55 @@ def settle(*conns: Any, timeout: float = OP_TIMEOUT) -> None:
                 raise BenchError(f"{len(left)} connector task(s) still running after {timeout:.0f}s")
 
 
-def timed_ns(fn: Callable[[], Any]) -> tuple[int, Any]:
+class GcWatch:
+    """Counts the garbage collector's runs (any thread) and their pauses, to explain tail latencies."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.pauses_ns: dict[int, list[int]] = collections.defaultdict(list)
+        self._t0 = 0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter_ns()
+        else:
+            self.count += 1
+            self.pauses_ns[int(info.get("generation", -1))].append(time.perf_counter_ns() - self._t0)
+
+    def summary(self) -> dict[str, Any]:
+        return {f"gen{g}": {"collections": len(v), "p50_us": percentile(v, 0.5) / 1e3, "max_us": max(v) / 1e3}
+                for g, v in sorted(self.pauses_ns.items()) if v}
+
+
+GC = GcWatch()
+
+
+class Samples:
+    """Timed calls of one op: nanoseconds, and whether a garbage collection ran during each."""
+
+    def __init__(self) -> None:
+        self.ns: list[int] = []
+        self.gc: list[bool] = []
+
+    def add(self, ns: int, gc_ran: bool) -> None:
+        self.ns.append(ns)
+        self.gc.append(gc_ran)
+
+    def summary(self) -> dict[str, Any]:
+        out = summary_us(self.ns)
+        out["with_gc"] = sum(self.gc)
+        quiet = [ns for ns, g in zip(self.ns, self.gc) if not g]
+        out["p50_us_without_gc"] = percentile([q / 1e3 for q in quiet], 0.5) if quiet else None
+        return out
+
+
+def timed_ns(fn: Callable[[], Any]) -> tuple[int, Any, bool]:
+    """``fn()``'s wall time on this thread, its result, and whether a GC ran meanwhile (any thread)."""
+    gcs = GC.count
     t0 = time.perf_counter_ns()
     result = fn()
-    return time.perf_counter_ns() - t0, result
+    elapsed = time.perf_counter_ns() - t0
+    return elapsed, result, GC.count != gcs
 
 
 class Rows:
@@ -177,8 +232,8 @@ class Rows:
         self.tensor = torch.zeros(count + 1, page, dtype=torch.uint8)
         self.np = self.tensor.numpy()
         self.ref = np.empty((count, page), dtype=np.uint8)
-        words = np.random.default_rng(seed).bit_generator.random_raw(self.ref.nbytes // 8)
-        self.ref.reshape(-1).view(np.uint64)[: words.size] = words
+        words = np.random.default_rng(seed).bit_generator.random_raw((self.ref.nbytes + 7) // 8)
+        self.ref.reshape(-1)[:] = words.view(np.uint8)[: self.ref.nbytes]
         self.views = [self.np[i] for i in range(1, count + 1)]  # row views of block ids 1..count
 
     def ids(self, n: int) -> list[int]:
@@ -282,6 +337,12 @@ class Bench:
     def run(self, coro: Any, timeout: float = OP_TIMEOUT) -> Any:
         return self.loop.run(coro, timeout)
 
+    def freeze(self) -> None:
+        """With ``--gc-freeze``: what is alive after a section's set-up is never scanned again."""
+        if self.args.gc_freeze:
+            gc.collect()
+            gc.freeze()
+
     def close(self) -> None:
         from dkv.loop_thread import release_shared_loop
 
@@ -328,59 +389,76 @@ class Bench:
         self.calls_hashes = hashes
         self.store(writer, hashes, rows)
         hints = {n: self.wait_indexed(conn, hashes[:n], "a").encode() for n in blocks}
+        self.freeze()
         out: dict[str, Any] = {}
         for n in blocks:
             self.log(f"call costs: {n} blocks x {args.repeat} calls per op")
             hs, ids = hashes[:n], rows.ids(n)
             miss = chain(n)
-            samples: dict[str, list[int]] = collections.defaultdict(list)
+            samples: dict[str, Samples] = collections.defaultdict(Samples)
             for i in range(args.repeat + 5):  # the first 5 rounds warm up (connections, caches)
-                keep = i >= 5
-                t: dict[str, int] = {}
+                t: dict[str, tuple[int, bool]] = {}
+
+                def call(op: str, fn: Callable[[], Any]) -> Any:
+                    ns, result, gc_ran = timed_ns(fn)
+                    t[op] = (ns, gc_ran)
+                    return result
+
                 settle(conn)
-                t["lookup"], masks = timed_ns(lambda: conn.lookup(hs))
+                masks = call("lookup", lambda: conn.lookup(hs))
                 if not all(masks[LEAF]):
                     raise BenchError(f"lookup found {sum(masks[LEAF])}/{n} blocks")
                 settle(conn)
-                t["load"], tr = timed_ns(lambda: conn.load({LEAF: ids}, {LEAF: hs}))
-                self.wait(tr, "load")
+                self.wait(call("load", lambda: conn.load({LEAF: ids}, {LEAF: hs})), "load")
                 settle(conn)
-                t["start_lookup"], handle = timed_ns(lambda: conn.start_lookup(hs))
+                handle = call("start_lookup", lambda: conn.start_lookup(hs))
                 self.wait(handle, "start_lookup")
                 settle(conn)
-                t["load_lookup"], tr = timed_ns(lambda: conn.load_lookup(handle, {LEAF: ids}, {LEAF: hs}))
-                self.wait(tr, "load_lookup")
+                self.wait(call("load_lookup", lambda: conn.load_lookup(handle, {LEAF: ids}, {LEAF: hs})), "load_lookup")
                 settle(conn)
-                hint = hints[n]
-                t["start_lookup_hint"], handle = timed_ns(lambda: conn.start_lookup(hs, hint=hint))
+                handle = call("start_lookup_hint", lambda: conn.start_lookup(hs, hint=hints[n]))
                 self.wait(handle, "start_lookup (hint)")
                 conn.abandon_lookup(handle)
                 settle(conn)
-                t["offload"], tr = timed_ns(lambda: conn.offload({LEAF: ids}, {LEAF: hs}))
-                self.wait(tr, "offload")
+                self.wait(call("offload", lambda: conn.offload({LEAF: ids}, {LEAF: hs})), "offload")
                 settle(conn)
-                t["touch"], _ = timed_ns(lambda: conn.touch(hs))
+                call("touch", lambda: conn.touch(hs))
                 settle(conn)
-                t["probe_hit"], answer = timed_ns(lambda: conn.probe(hs, [0]))
+                answer = call("probe_hit", lambda: conn.probe(hs, [0]))
                 if answer is None or not all(answer[0][LEAF]):
                     raise BenchError(f"probe did not see the {n} stored blocks")
-                t["probe_miss"], answer = timed_ns(lambda: conn.probe(miss, [0]))
-                t["poll_transfers"], _ = timed_ns(conn.poll_transfers)
-                t["take_metrics"], _ = timed_ns(conn.take_metrics)
-                if keep:
-                    for op, ns in t.items():
-                        samples[op].append(ns)
-            out[str(n)] = {op: summary_us(v) for op, v in samples.items()}
+                call("probe_miss", lambda: conn.probe(miss, [0]))
+                call("poll_transfers", conn.poll_transfers)
+                call("take_metrics", conn.take_metrics)
+                if i >= 5:
+                    for op, (ns, gc_ran) in t.items():
+                        samples[op].add(ns, gc_ran)
+            out[str(n)] = {op: v.summary() for op, v in samples.items()}
         return out
 
     # -- 1b. the same posting calls while a big load copies on the loop thread
 
     def busy_costs(self, n: int, bg_conn: Any, bg_rows: Rows, bg_hashes: list[bytes]) -> dict[str, Any]:
+        """The posting calls while ``bg_conn`` copies a same-host load on the loop thread.
+
+        The background rows are zeroed first; the same-host read fills them in order, so
+        "row 1 is filled and the last row is still zero" means the copy is running right now.
+        A sample counts only when that holds as the timed call starts.
+        """
         conn, rows, hashes = self.calls_conn, self.call_rows, self.calls_hashes[:n]
         ids, nbg = rows.ids(n), len(bg_hashes)
+        first, last = bg_rows.np[1], bg_rows.np[nbg]
         self.log(f"call costs under a concurrent {nbg}-block load: {n} blocks x {self.args.busy} calls per op")
-        samples: dict[str, list[int]] = collections.defaultdict(list)
+        samples: dict[str, Samples] = collections.defaultdict(Samples)
+        overlapped: collections.Counter[str] = collections.Counter()
         ops = ("start_lookup", "load_lookup", "offload", "touch", "poll_transfers")
+        calls: dict[str, Callable[[Any], Any]] = {
+            "start_lookup": lambda _h: conn.start_lookup(hashes),
+            "load_lookup": lambda h: conn.load_lookup(h, {LEAF: ids}, {LEAF: hashes}),
+            "offload": lambda _h: conn.offload({LEAF: ids}, {LEAF: hashes}),
+            "touch": lambda _h: conn.touch(hashes),
+            "poll_transfers": lambda _h: conn.poll_transfers(),
+        }
         for i in range(self.args.busy + 1):
             for op in ops:
                 handle = None
@@ -388,34 +466,35 @@ class Bench:
                     handle = conn.start_lookup(hashes)
                     self.wait(handle, "start_lookup")
                 settle(conn, bg_conn)
+                bg_rows.zero(nbg)
                 bg_handle = bg_conn.start_lookup(bg_hashes)
                 self.wait(bg_handle, "background start_lookup")
                 bg = bg_conn.load_lookup(bg_handle, {LEAF: bg_rows.ids(nbg)}, {LEAF: bg_hashes})
-                time.sleep(0.001)  # the loop thread is copying by now
-                copying = not bg._future.done()
-                if op == "start_lookup":
-                    ns, result = timed_ns(lambda: conn.start_lookup(hashes))
-                elif op == "load_lookup":
-                    ns, result = timed_ns(lambda: conn.load_lookup(handle, {LEAF: ids}, {LEAF: hashes}))
-                elif op == "offload":
-                    ns, result = timed_ns(lambda: conn.offload({LEAF: ids}, {LEAF: hashes}))
-                elif op == "touch":
-                    ns, result = timed_ns(lambda: conn.touch(hashes))
-                else:
-                    ns, result = timed_ns(conn.poll_transfers)
+                deadline = time.monotonic() + OP_TIMEOUT
+                while not first.any() and not bg._future.done() and time.monotonic() < deadline:
+                    time.sleep(0.0001)
+                copying = not last.any()
+                ns, result, gc_ran = timed_ns(lambda: calls[op](handle))
+                still = not last.any()
                 self.wait(bg, "background load")
                 if op == "start_lookup":
                     self.wait(result, "start_lookup")
                     conn.abandon_lookup(result)
                 elif op in ("load_lookup", "offload"):
                     self.wait(result, op)
-                if i >= 1 and copying:  # round 0 warms up; a sample counts only if the copy was still running
-                    samples[op].append(ns)
-        return {op: summary_us(v) for op, v in samples.items() if v}
+                if i >= 1 and copying:  # round 0 warms up
+                    samples[op].add(ns, gc_ran)
+                    overlapped[op] += still
+        out = {}
+        for op, v in samples.items():
+            out[op] = v.summary()
+            out[op]["copy_outlived_call"] = overlapped[op]
+        return out
 
     # -- 2. throughput
 
-    def throughput(self, page: int, blocks: list[int], busy_n: int | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    def throughput(self, page: int, blocks: list[int],
+                   busy_n: int | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         from dkv.keys import BlockKey
 
         args = self.args
@@ -435,6 +514,7 @@ class Bench:
         self.store(r_peer, peer_hashes, rows)
         hints = {n: self.wait_indexed(c_peer, peer_hashes[:n], "b").encode() for n in blocks}
         group = iter(range(1, 1 << 30))
+        self.freeze()
 
         def conn_load(conn: Any, hs: list[bytes], n: int, hint: bytes | None) -> float:
             t0 = time.perf_counter()
@@ -482,7 +562,8 @@ class Bench:
 
         results = []
         for n in blocks:
-            self.log(f"throughput: {n} x {format_size(page)}: {args.warmup} warm-up + {args.rounds} rounds")
+            self.log(f"throughput: {n} x {format_size(page)}: {args.warmup} warm-up + "
+                     f"{args.rounds * max(1, min(SMALL_ROUNDS_FACTOR, nmax // n))} rounds")
             views = rows.views[:n]
             lkeys = [BlockKey(LEAF, 0, h) for h in local_hashes[:n]]
             pkeys = [BlockKey(LEAF, 0, h) for h in peer_hashes[:n]]
@@ -503,9 +584,11 @@ class Bench:
                 for who in (("connector", "raw") if first_conn else ("raw", "connector")):
                     self.run(client.clear())
                     settle(*self.connectors)
-                    measured[(path, who)] = conn_offload(conn, n) if who == "connector" else raw_offload(client, n, views)
+                    measured[(path, who)] = (conn_offload(conn, n) if who == "connector"
+                                             else raw_offload(client, n, views))
 
-            for round_no in range(args.warmup + args.rounds):
+            rounds = args.rounds * max(1, min(SMALL_ROUNDS_FACTOR, nmax // n))
+            for round_no in range(args.warmup + rounds):
                 self.cluster.check_alive()
                 first = round_no % 2 == 0
                 measured: dict[tuple[str, str], float] = {}
@@ -519,12 +602,18 @@ class Bench:
                     for key, value in measured.items():
                         samples[key].append(value)
             self.run(r_off_shm.clear())
+            if c_peer.counters.hits_peer == 0 or sum(c_peer.counters.unusable_hints.values()):
+                raise BenchError(f"the peer loads did not go to node b: {c_peer.counters}")
             entry: dict[str, Any] = {"page": page, "page_label": format_size(page), "blocks": n,
                                      "bytes_per_op": n * page}
             for (path, who), values in samples.items():
                 entry.setdefault(path, {})[who] = rates(values, n * page)
             for path in ("load_local", "load_peer", "offload_shm", "offload_ucx"):
                 e = entry[path]
+                paired = [c / r for c, r in zip(samples[(path, "connector")], samples[(path, "raw")])]
+                e["rounds"] = len(paired)
+                e["paired_ratios"] = paired
+                e["overhead_paired"] = statistics.median(paired) - 1.0
                 e["overhead_best"] = e["connector"]["best_s"] / e["raw"]["best_s"] - 1.0
                 e["overhead_median"] = e["connector"]["median_s"] / e["raw"]["median_s"] - 1.0
                 if path.startswith("load"):
@@ -538,9 +627,12 @@ class Bench:
                     "ops": self.busy_costs(busy_n, c_local, rows, local_hashes)}
         self.run(r_local.clear())
         self.run(r_peer.clear())
-        for conn in (c_local, c_peer, c_off_shm, c_off_ucx):  # free this page size's connectors now
+        for conn in (c_local, c_peer, c_off_shm, c_off_ucx):  # free this page size's connectors and clients now
             conn.shutdown()
             self.connectors.remove(conn)
+        raw = [r_local, r_peer, r_off_shm, r_off_ucx]
+        self.run(_close_all(raw), 30.0)
+        self.clients = [c for c in self.clients if c not in raw]
         return results, busy
 
 
@@ -568,7 +660,7 @@ def throughput_goals(results: list[dict[str, Any]]) -> dict[str, bool]:
     for e in results:
         for path in ("load_local", "load_peer"):
             goals[f"{path}_{e['blocks']}x{e['page_label']}_overhead_le_{GOAL_OVERHEAD:.0%}"] = (
-                e[path]["overhead_best"] <= GOAL_OVERHEAD)
+                e[path]["overhead_paired"] <= GOAL_OVERHEAD)
     return goals
 
 
@@ -619,44 +711,62 @@ def print_report(doc: dict[str, Any], load_start: float) -> None:
     console.print(table)
 
     busy = doc.get("busy") or {}
+    if busy and not busy.get("ops"):
+        console.print(f"(--busy: no call caught the background {busy['background']} still copying: it is too short "
+                      "here; use a larger block count or page)")
     if busy.get("ops"):
         table = Table(title=f"Same calls, {busy['blocks']} blocks, while a {busy['background']} copies on the loop "
                             f"thread, µs")
-        for col in ("call", "samples", "p50", "p99", "max", "idle p50"):
+        for col in ("call", "samples", "p50", "p99", "max", "idle p50", "copy outlived\nthe call", "GC ran\nduring"):
             table.add_column(col, justify="right" if col != "call" else "left")
         idle = calls.get(str(busy["blocks"]), {})
         for op, s in busy["ops"].items():
             table.add_row(op, str(s["n"]), us_cell(s["p50_us"], False), us_cell(s["p99_us"], False),
-                          us_cell(s["max_us"], False), us_cell(idle[op]["p50_us"], False) if op in idle else "-")
+                          us_cell(s["max_us"], False), us_cell(idle[op]["p50_us"], False) if op in idle else "-",
+                          str(s["copy_outlived_call"]), str(s["with_gc"]))
         console.print(table)
 
-    for stat in ("best", "median"):
-        table = Table(title=f"Throughput through the connector vs the raw node path, GB/s ({stat} of {cfg['rounds']} "
-                            f"rounds after {cfg['warmup']} warm-up)")
-        for col in ("page", "blocks", "path", "connector", "raw node", "connector\ntime / raw", "bit-exact"):
-            table.add_column(col, justify="right" if col != "path" else "left")
-        for e in doc["throughput"]:
-            for path, label in (("load_local", "load, local (shm)"), ("load_peer", "load, peer via hint (ucx)"),
-                                ("offload_shm", "offload (shm)"), ("offload_ucx", "offload (ucx)")):
-                p = e[path]
-                over = p[f"overhead_{stat}"]
-                text = f"{1 + over:.0%}"
-                if path.startswith("load"):
-                    text = f"[green]{text}[/]" if over <= GOAL_OVERHEAD else f"[red]{text}[/]"
-                exact = "-" if "verified" not in p else ("[green]yes[/]" if p["verified"] else "[bold red]NO[/]")
-                table.add_row(e["page_label"], str(e["blocks"]), label, f"{p['connector'][stat]:.2f}",
-                              f"{p['raw'][stat]:.2f}", text, exact)
-        console.print(table)
+    table = Table(title=f"Throughput through the connector vs the raw node path, GB/s (best and median of "
+                        f"{cfg['rounds']}+ rounds after {cfg['warmup']} warm-up; connector time / raw time)")
+    for col in ("page", "blocks", "path", "rounds", "connector\nbest", "raw\nbest", "connector\nmedian", "raw\nmedian",
+                "time ratio\npaired median", "time ratio\nbest / best", "bit-exact"):
+        table.add_column(col, justify="right" if col != "path" else "left")
+    for e in doc["throughput"]:
+        for path, label in (("load_local", "load, local (shm)"), ("load_peer", "load, peer via hint (ucx)"),
+                            ("offload_shm", "offload (shm)"), ("offload_ucx", "offload (ucx)")):
+            p = e[path]
+            paired = f"{1 + p['overhead_paired']:.0%}"
+            if path.startswith("load"):
+                paired = f"[green]{paired}[/]" if p["overhead_paired"] <= GOAL_OVERHEAD else f"[red]{paired}[/]"
+            exact = "-" if "verified" not in p else ("[green]yes[/]" if p["verified"] else "[bold red]NO[/]")
+            table.add_row(e["page_label"], str(e["blocks"]), label, str(p["rounds"]),
+                          f"{p['connector']['best']:.2f}", f"{p['raw']['best']:.2f}",
+                          f"{p['connector']['median']:.2f}", f"{p['raw']['median']:.2f}",
+                          paired, f"{1 + p['overhead_best']:.0%}", exact)
+    console.print(table)
 
     console.print(
         f"Goals: load, load_lookup and offload return in <= {GOAL_CALL_US:.0f} µs for 64 blocks (judged at p50 and "
-        f"p99, loop idle); connector load time <= {1 + GOAL_OVERHEAD:.0%} of the raw node path's (best vs best).\n"
+        f"p99, loop idle); connector load time <= {1 + GOAL_OVERHEAD:.0%} of the raw node path's (median of the "
+        "per-round paired ratios: each round times both back to back, alternating which goes first).\n"
         "Connector load = start_lookup -> complete -> result() -> load_lookup -> complete; raw = one coroutine on "
         "the same loop thread: NodeClient.lookup (leased) + read of the same keys into the same rows. Peer = node b, "
         "named by the router's hint, over the listener path (loopback UCX; connector local=False). Offload = fresh "
         "hashes to node a: connector offload -> complete vs NodeClient.write. Completion is awaited "
-        + ("through the handle's future (no polling)." if cfg["poll_us"] <= 0 else f"by polling every {cfg['poll_us']} µs.")
+        + ("through the handle's future (no polling)." if cfg["poll_us"] <= 0
+           else f"by polling is_complete() every {cfg['poll_us']:g} µs.")
+        + (" gc.freeze() after set-up." if cfg["gc_freeze"] else "")
     )
+    gc_info = doc.get("gc", {})
+    if gc_info:
+        idle = doc["calls"].get("64") or next(iter(doc["calls"].values()))
+        with_gc = sum(v["with_gc"] for v in idle.values())
+        total = sum(v["n"] for v in idle.values())
+        pauses = "; ".join(f"{g}: {v['collections']} runs, p50 {v['p50_us']:,.0f} µs, max {v['max_us']:,.0f} µs"
+                           for g, v in gc_info.items())
+        console.print(f"Garbage collector (any thread, whole run): {pauses}. {with_gc} of {total} timed calls at "
+                      f"{'64' if '64' in doc['calls'] else 'the smallest count'} blocks overlapped a collection "
+                      "(JSON: with_gc, p50_us_without_gc).")
     for name, met in doc["goals_met"].items():
         console.print(f"  {name}: {'[green]met[/]' if met else '[red]missed[/]'}")
     console.print(f"Machine: {os.cpu_count()} CPUs; load average {load_start:.2f} at start, {os.getloadavg()[0]:.2f} "
@@ -697,17 +807,23 @@ def machine_info() -> dict[str, Any]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--blocks", default=DEFAULT_BLOCKS, help=f"comma-separated block counts (default {DEFAULT_BLOCKS})")
+    parser.add_argument("--blocks", default=DEFAULT_BLOCKS,
+                        help=f"comma-separated block counts (default {DEFAULT_BLOCKS})")
     parser.add_argument("--page", default=DEFAULT_PAGE,
                         help=f"comma-separated page sizes for throughput (default {DEFAULT_PAGE}; e.g. 64KiB,256KiB)")
     parser.add_argument("--repeat", type=int, default=200, help="timed calls per op for the call costs (default 200)")
-    parser.add_argument("--rounds", type=int, default=5, help="timed throughput rounds (default 5)")
+    parser.add_argument("--rounds", type=int, default=10,
+                        help=f"timed throughput rounds for the largest block count (default 10; smaller counts get "
+                             f"up to {SMALL_ROUNDS_FACTOR}x as many)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed throughput rounds before them (default 1)")
     parser.add_argument("--call-page", default="4KiB", help="page size for the call-cost connector (default 4KiB)")
     parser.add_argument("--busy", type=int, default=30,
                         help="calls per op under a concurrent load (default 30; 0 skips)")
     parser.add_argument("--poll-us", type=float, default=0.0,
                         help="poll is_complete() every N µs instead of waiting on the handle's future (default 0)")
+    parser.add_argument("--gc-freeze", action="store_true",
+                        help="gc.freeze() after each section's set-up, as engines often do after start-up "
+                             "(default off)")
     parser.add_argument("--json", type=Path, default=None, help="write every number to this JSON file")
     args = parser.parse_args(argv)
     try:
@@ -729,16 +845,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from rich.console import Console
 
-    from cluster.process import NodeStartError
-
     err = Console(stderr=True)
     log = lambda msg: err.log(msg)  # noqa: E731
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt even if started with SIGINT ignored
     nmax, pmax = max(args.block_list), max(args.page_list)
     margin = 64 * 2**20
     pools = {"a": int(nmax * (args.call_page + 2 * pmax) * 1.25) + margin, "b": int(nmax * pmax * 1.25) + margin}
     started = time.time()
     load_start = list(os.getloadavg())
+    gc.callbacks.append(GC)
     doc: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="dkv-bench-conn-") as tmp:
         cluster = Cluster(Path(tmp))
@@ -758,7 +874,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             doc = {
                 "config": {"blocks": args.block_list, "pages": args.page_list, "call_page": args.call_page,
                            "repeat": args.repeat, "rounds": args.rounds, "warmup": args.warmup, "busy": args.busy,
-                           "poll_us": args.poll_us, "pools": pools, "leaves": 1, "tp_shards": 1,
+                           "poll_us": args.poll_us, "gc_freeze": args.gc_freeze, "pools": pools,
+                           "leaves": 1, "tp_shards": 1,
                            "device": "cpu", "unit_throughput": "GB/s (1e9 bytes/s) of block payload",
                            "connector_load_timing": "start_lookup -> complete -> result() -> load_lookup -> complete",
                            "raw_load_timing": "one loop.run of NodeClient.lookup(lease) + NodeClient.read",
@@ -771,6 +888,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "throughput": throughput,
                 "goals_met": goals,
                 "verified": bench.verified,
+                "gc": GC.summary(),
             }
         except KeyboardInterrupt:
             err.print("[bold red]interrupted[/]: shutting down the connectors, stopping the nodes and etcd")
@@ -778,14 +896,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         except SystemExit as exc:
             err.print("[bold red]terminated[/]: shutting down the connectors, stopping the nodes and etcd")
             return int(exc.code or 143)
-        except (DKVError, BenchError, NodeStartError, TimeoutError, RuntimeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - DKVError, BenchError, NodeStartError, KVLoadFailed, timeouts...
             err.print(f"[bold red]benchmark failed:[/] {type(exc).__name__}: {exc}")
             err.print(cluster.log_tails())
             return 2
         finally:
-            if bench is not None:
-                bench.close()
-            cluster.stop()
+            try:
+                if bench is not None:
+                    bench.close()
+            finally:
+                cluster.stop()
 
     doc["machine"] = {**machine_info(), "loadavg_start": load_start}
     doc["elapsed_s"] = time.time() - started

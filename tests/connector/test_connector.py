@@ -453,3 +453,19 @@ def test_is_a_max_kv_connector_when_max_is_installed(node, connectors) -> None:
         print("skipped: Modular MAX (package max) is not installed here")
         pytest.skip("Modular MAX (package max) is not installed")
     assert isinstance(connectors(node.address), KVConnector)
+
+
+async def test_bad_block_ids_in_a_load_release_the_lookups_lease(node, connectors) -> None:
+    blocks = device_blocks(two_leaves())
+    conn = connectors(node.address, blocks=blocks)
+    hashes = chain(2)
+    offload_chain(conn, blocks, hashes)
+    handle = conn.start_lookup(hashes)
+    answered(handle)
+    with pytest.raises(ValueError):
+        conn.load_lookup(handle, {"full": [0]}, {"full": hashes[:1]})  # row 0 is the null page
+    conn.lookup(hashes)
+    with pytest.raises(ValueError):
+        conn.load({"full": [10_000]}, {"full": hashes[:1]})
+    stats = await wait_for_stats(node.address, lambda s: s["leases"] == 0)
+    assert stats["leases"] == 0, "a load refused for bad input must hand the lease back"
