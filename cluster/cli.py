@@ -22,18 +22,21 @@ def cluster_up(
     dir: Annotated[Path, typer.Option("--dir", help="Where the cluster records what it started.")] = Path("dkv-cluster"),
     pool: Annotated[str, typer.Option(help="Host pool per node.")] = "256MiB",
     cluster: Annotated[str, typer.Option(help="Cluster name.")] = "default",
+    netns: Annotated[bool, typer.Option(help="Each process in its own network namespace on a private bridge (root).")] = False,
 ) -> None:
     """Start etcd and N nodes, wait until all are registered, record them in DIR."""
     from cluster.etcd_process import EtcdNotFound
     from cluster.local import up
 
     try:
-        record = up(dir, nodes, pool=pool, cluster=cluster)
+        record = up(dir, nodes, pool=pool, cluster=cluster, netns=netns)
     except (EtcdNotFound, FileExistsError, RuntimeError, TimeoutError) as exc:
         _fail(str(exc))
     print(f"cluster {record.cluster!r} up: etcd {record.etcd_url}, "
           + ", ".join(f"{n.node_id}@{n.address}" for n in record.nodes))
-    print(f"inspect: dkv peers --etcd {record.etcd_url}    stop: dkv cluster down --dir {dir}")
+    prefix = " ".join(record.client_prefix())
+    print(f"inspect: {prefix + ' ' if prefix else ''}dkv peers --etcd {record.etcd_url}    "
+          f"stop: dkv cluster down --dir {dir}")
 
 
 @cluster_app.command("status")

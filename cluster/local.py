@@ -15,7 +15,6 @@ commands, ports, environment); ``docker-compose.yml`` is checked against it.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import shutil
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.etcd_process import etcd_binary, free_port
+from cluster.netns import NETNS_ENV, NetnsLayout
 
 STATE_FILE = "cluster.json"
 DEFAULT_CLUSTER = "default"
@@ -56,6 +56,20 @@ class ClusterRecord:
     etcd_data: str
     nodes: list[NodeRecord] = field(default_factory=list)
     started_at: float = 0.0
+    netns: dict[str, Any] | None = None  # NetnsLayout fields when the cluster runs in namespaces
+    token_file: str | None = None
+
+    def netns_layout(self) -> NetnsLayout | None:
+        if not self.netns:
+            return None
+        layout = NetnsLayout(self.netns["tag"], list(self.netns["members"]), tuple(self.netns["subnet"]))
+        layout.created = [layout.bridge_namespace, *map(layout.namespace, layout.members)]
+        return layout
+
+    def client_prefix(self) -> list[str]:
+        """How to run a process that talks to this cluster (inside the client namespace with --netns)."""
+        layout = self.netns_layout()
+        return layout.exec_prefix("client") if layout else []
 
     def save(self) -> None:
         path = Path(self.directory, STATE_FILE)
@@ -98,10 +112,10 @@ def topology(nodes: int, *, pool: str = "1GiB", cluster: str = DEFAULT_CLUSTER) 
     return services
 
 
-def local_command(command: list[str], etcd_url: str) -> list[str]:
-    """A topology command as the local launcher runs it: this interpreter, a free loopback port, local etcd."""
+def local_command(command: list[str], etcd_url: str, listen: str = "127.0.0.1:0") -> list[str]:
+    """A topology command as the local launcher runs it: this interpreter, a local address, local etcd."""
     local = [sys.executable, "-m", "dkv.cli", *command[1:]]
-    for flag, value in (("--listen", "127.0.0.1:0"), ("--etcd", etcd_url)):
+    for flag, value in (("--listen", listen), ("--etcd", etcd_url)):
         local[local.index(flag) + 1] = value
     return local
 
@@ -150,33 +164,56 @@ def _spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subp
 
 
 def up(directory: str | Path, nodes: int = 3, *, pool: str = "256MiB", cluster: str = DEFAULT_CLUSTER,
-       ready_timeout: float = READY_TIMEOUT, extra_node_args: tuple[str, ...] = ()) -> ClusterRecord:
-    """Start etcd and ``nodes`` nodes; return (and record) what was started. Cleans up if anything fails."""
+       ready_timeout: float = READY_TIMEOUT, extra_node_args: tuple[str, ...] = (),
+       netns: bool = False) -> ClusterRecord:
+    """Start etcd and ``nodes`` nodes; return (and record) what was started. Cleans up if anything fails.
+
+    With ``netns`` (root only) every process gets a network namespace and a private
+    address of its own (:mod:`cluster.netns`), the nodes listen on those addresses
+    with a generated cluster token, and UCX runs over TCP.
+    """
     directory = Path(directory).resolve()
     directory.mkdir(parents=True, exist_ok=True)
     if (directory / STATE_FILE).exists():
         raise FileExistsError(f"{directory} already records a cluster: run `dkv cluster down --dir {directory}` first")
     binary = etcd_binary()
-    client_port, peer_port = free_port(), free_port()
+    node_ids = [f"node-{i}" for i in range(nodes)]
+    layout = NetnsLayout.new(["etcd", *node_ids, "client"]) if netns else None
+    if layout is not None:
+        layout.create()
+        etcd_host, client_port, peer_port = layout.address("etcd"), 2379, 2380
+    else:
+        etcd_host, client_port, peer_port = "127.0.0.1", free_port(), free_port()
     etcd_data = directory / "etcd-data"
-    etcd = _spawn([binary, "--name", "dkv", "--data-dir", str(etcd_data),
-                   "--listen-client-urls", f"http://127.0.0.1:{client_port}",
-                   "--advertise-client-urls", f"http://127.0.0.1:{client_port}",
-                   "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
-                   "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
-                   "--initial-cluster", f"dkv=http://127.0.0.1:{peer_port}", "--log-level", "warn"],
-                  directory / "etcd.log")
-    record = ClusterRecord(str(directory), cluster, f"http://127.0.0.1:{client_port}", etcd.pid, str(etcd_data),
-                           started_at=time.time())
+    etcd_url = f"http://{etcd_host}:{client_port}"
+    record = ClusterRecord(str(directory), cluster, etcd_url, 0, str(etcd_data), started_at=time.time(),
+                           netns=asdict(layout) if layout else None)
     record.save()
     try:
+        etcd = _spawn([*(layout.exec_prefix("etcd") if layout else []), binary, "--name", "dkv",
+                       "--data-dir", str(etcd_data),
+                       "--listen-client-urls", etcd_url, "--advertise-client-urls", etcd_url,
+                       "--listen-peer-urls", f"http://{etcd_host}:{peer_port}",
+                       "--initial-advertise-peer-urls", f"http://{etcd_host}:{peer_port}",
+                       "--initial-cluster", f"dkv=http://{etcd_host}:{peer_port}", "--log-level", "warn"],
+                      directory / "etcd.log")
+        record.etcd_pid = etcd.pid
+        node_args = list(extra_node_args)
+        if layout is not None:
+            token = directory / "token"
+            token.write_text(os.urandom(24).hex())
+            token.chmod(0o600)
+            record.token_file = str(token)
+            node_args += ["--token-file", str(token)]
+        record.save()
         procs = []
-        for i in range(nodes):
-            node_id = f"node-{i}"
+        for node_id in node_ids:
             ready = directory / f"{node_id}.ready"
-            cmd = local_command(topology(nodes, pool=pool, cluster=cluster)[node_id]["command"],
-                                record.etcd_url) + ["--ready-file", str(ready), *extra_node_args]
-            procs.append((node_id, ready, _spawn(cmd, directory / f"{node_id}.log")))
+            cmd = local_command(topology(nodes, pool=pool, cluster=cluster)[node_id]["command"], etcd_url,
+                                listen=f"{layout.address(node_id)}:{NODE_PORT_BASE}" if layout else "127.0.0.1:0")
+            cmd = [*(layout.exec_prefix(node_id) if layout else []), *cmd, "--ready-file", str(ready), *node_args]
+            procs.append((node_id, ready, _spawn(cmd, directory / f"{node_id}.log",
+                                                 NETNS_ENV if layout else None)))
         deadline = time.monotonic() + ready_timeout
         for node_id, ready, proc in procs:
             while not ready.exists():
@@ -190,45 +227,44 @@ def up(directory: str | Path, nodes: int = 3, *, pool: str = "256MiB", cluster: 
             record.nodes.append(NodeRecord(node_id, proc.pid, info["address"], info["shm"],
                                            str(directory / f"{node_id}.log")))
             record.save()
-        asyncio.run(_wait_registered(record, max(1.0, deadline - time.monotonic())))
+        _wait_registered(record, max(1.0, deadline - time.monotonic()))
     except BaseException:
         down(directory)
         raise
     return record
 
 
-async def _members(record: ClusterRecord) -> dict[str, Any]:
-    from dkv.etcd import Layout, MemberRecord, get_prefix, make_client
+def _members(record: ClusterRecord, timeout: float = 10.0) -> dict[str, dict[str, Any]]:
+    """The member records etcd holds, read by ``dkv peers --json`` (inside the client namespace with --netns)."""
+    result = subprocess.run(
+        [*record.client_prefix(), sys.executable, "-m", "dkv.cli", "peers", "--etcd", record.etcd_url,
+         "--cluster", record.cluster, "--json"],
+        capture_output=True, text=True, timeout=timeout + 20, env={**os.environ, **NETNS_ENV},
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"cannot read the cluster's members: {result.stderr.strip()[-300:]}")
+    return {m["node_id"]: m for m in json.loads(result.stdout)}
 
-    client = make_client(record.etcd_url)
-    await client.connect()
-    try:
-        layout = Layout(record.cluster)
-        kvs, _ = await get_prefix(client, layout.nodes, timeout=5.0)
-        return {m.node_id: m for kv in kvs if (m := MemberRecord.from_json(kv.value)) is not None}
-    finally:
-        await client.close()
 
-
-async def _wait_registered(record: ClusterRecord, timeout: float) -> None:
+def _wait_registered(record: ClusterRecord, timeout: float) -> None:
     wanted = {n.node_id for n in record.nodes}
     deadline = time.monotonic() + timeout
     while True:
         try:
-            if wanted <= set(await _members(record)):
+            if wanted <= set(_members(record)):
                 return
         except Exception:  # noqa: BLE001 - etcd may still be starting
             pass
         if time.monotonic() > deadline:
             raise TimeoutError(f"nodes {sorted(wanted)} not all registered in etcd after {timeout:.0f}s")
-        await asyncio.sleep(0.1)
+        time.sleep(0.2)
 
 
 def status(directory: str | Path) -> dict[str, Any]:
     """What the record says, which PIDs are alive, and which nodes etcd lists."""
     record = ClusterRecord.load(directory)
     try:
-        members = asyncio.run(_members(record)) if _alive(record.etcd_pid) else {}
+        members = _members(record) if _alive(record.etcd_pid) else {}
         etcd_ok = _alive(record.etcd_pid)
     except Exception:  # noqa: BLE001
         members, etcd_ok = {}, False
@@ -236,9 +272,10 @@ def status(directory: str | Path) -> dict[str, Any]:
         "directory": record.directory,
         "cluster": record.cluster,
         "etcd": {"url": record.etcd_url, "pid": record.etcd_pid, "alive": etcd_ok},
+        "netns": record.netns,
         "nodes": [
             {**asdict(n), "alive": _alive(n.pid), "registered": n.node_id in members,
-             "epoch": members[n.node_id].epoch if n.node_id in members else None}
+             "epoch": members[n.node_id]["epoch"] if n.node_id in members else None}
             for n in record.nodes
         ],
     }
@@ -258,8 +295,15 @@ def down(directory: str | Path) -> list[str]:
         stopped.append(node.node_id)
     for ready in directory.glob("node-*.ready*"):
         ready.unlink(missing_ok=True)
-    _stop_pid(record.etcd_pid)
+    if record.etcd_pid:
+        _stop_pid(record.etcd_pid)
     stopped.append("etcd")
     shutil.rmtree(record.etcd_data, ignore_errors=True)
+    layout = record.netns_layout()
+    if layout is not None:
+        layout.destroy()
+        stopped.append(f"namespaces {layout.tag}-*")
+    if record.token_file:
+        Path(record.token_file).unlink(missing_ok=True)
     Path(directory, STATE_FILE).unlink(missing_ok=True)
     return stopped
