@@ -68,7 +68,7 @@ def serve(
     log_level: Annotated[str, typer.Option(help="Logging level.")] = "INFO",
 ) -> None:
     """Run a dKV node until SIGTERM or SIGINT (graceful: nothing is left behind)."""
-    from dkv.server import NodeConfig, NodeServer
+    from dkv.server import NodeConfig
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

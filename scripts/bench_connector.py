@@ -72,7 +72,6 @@ import concurrent.futures
 import gc
 import json
 import os
-import platform
 import secrets
 import signal
 import statistics
@@ -91,6 +90,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `cluster` and `connector` live at the repository root
     sys.path.insert(0, str(ROOT))
 
+from bench_common import machine_info  # noqa: E402
 from dkv.errors import DKVError  # noqa: E402
 from dkv.units import format_size, parse_size  # noqa: E402
 
@@ -771,34 +771,6 @@ def print_report(doc: dict[str, Any], load_start: float) -> None:
         console.print(f"  {name}: {'[green]met[/]' if met else '[red]missed[/]'}")
     console.print(f"Machine: {os.cpu_count()} CPUs; load average {load_start:.2f} at start, {os.getloadavg()[0]:.2f} "
                   "at end (this run keeps ~2 processes busy while it measures; more means other work skewed it).")
-
-
-def machine_info() -> dict[str, Any]:
-    import torch
-    import ucxx
-
-    info: dict[str, Any] = {
-        "nproc": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "numpy": np.__version__,
-        "torch": torch.__version__,
-        "ucxx": getattr(ucxx, "__version__", "?"),
-        "ucx_progress_mode": os.environ.get("DKV_UCX_PROGRESS", "thread"),
-        "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
-        "switch_interval_s": sys.getswitchinterval(),
-        "loadavg_end": list(os.getloadavg()),
-    }
-    try:
-        with open("/proc/meminfo") as f:
-            info["mem_total_kib"] = int(f.readline().split()[1])
-        with open("/proc/cpuinfo") as f:
-            info["cpu_model"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
-    except (OSError, ValueError, IndexError):
-        pass
-    return info
 
 
 # ---- main ---------------------------------------------------------------------------------------

@@ -44,7 +44,6 @@ import asyncio
 import collections
 import json
 import os
-import platform
 import secrets
 import signal
 import statistics
@@ -62,6 +61,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `cluster` lives at the repository root
     sys.path.insert(0, str(ROOT))
 
+from bench_common import machine_info  # noqa: E402
 from dkv.errors import DKVError, ProtocolError  # noqa: E402
 from dkv.transport import Connection, Listener, connect, init_transport, stop_progress  # noqa: E402
 from dkv.units import format_size, parse_size  # noqa: E402
@@ -520,32 +520,6 @@ def _goals(entry: dict[str, Any]) -> dict[str, bool]:
 
 
 # ---- report -------------------------------------------------------------------------------------
-
-
-def machine_info() -> dict[str, Any]:
-    import ucxx
-
-    info: dict[str, Any] = {
-        "nproc": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "python": platform.python_version(),
-        "implementation": platform.python_implementation(),
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "numpy": np.__version__,
-        "ucxx": getattr(ucxx, "__version__", "?"),
-        "ucx_progress_mode": PROGRESS_MODE,
-        "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
-        "loadavg_end": list(os.getloadavg()),
-    }
-    try:
-        with open("/proc/meminfo") as f:
-            info["mem_total_kib"] = int(f.readline().split()[1])
-        with open("/proc/cpuinfo") as f:
-            info["cpu_model"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
-    except (OSError, ValueError, IndexError):
-        pass
-    return info
 
 
 def print_report(results: list[dict[str, Any]], runs: int, warmup: int, blocks: int, load_start: float) -> None:

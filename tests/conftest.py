@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import os
 import threading
@@ -14,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 
 from cluster.etcd_process import EtcdProcess, start_etcd
 from cluster.process import NodeProcess, start_node
@@ -186,6 +186,17 @@ async def clients(node_factory: Callable[..., NodeProcess]) -> AsyncIterator[Cal
 
     yield make
     await asyncio.gather(*(c.close() for c in made))
+
+
+async def failure_of(awaitable: Any) -> str | None:
+    """``None`` if it succeeds, else the error as text (no live gRPC objects kept by a traceback)."""
+    try:
+        await awaitable
+    except Exception as exc:  # noqa: BLE001 - reported as a plain assertion
+        return f"{type(exc).__name__}: {str(exc)[:400]}"
+    finally:
+        gc.collect()
+    return None
 
 
 async def node_stats(address: str, **kwargs: Any) -> dict[str, Any]:

@@ -14,7 +14,6 @@ import torch
 
 from connector.dkv_connector import DKVConnector, DKVLookup
 from connector.types import ByteCount, CompletedTransfer, KVLoadFailed, KVLoadRefused
-from dkv.client import NodeClient
 from dkv.hints import MISMATCH, STALE_EPOCH, UNKNOWN_PEER, UNKNOWN_VERSION, UNPARSEABLE, WRONG_NAMESPACE
 from dkv.keys import BlockKey
 from tests.conftest import node_stats, wait_for_stats

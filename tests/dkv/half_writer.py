@@ -10,8 +10,6 @@ import asyncio
 import sys
 
 from dkv.client import NodeClient
-from dkv.keys import BlockKey
-from dkv.wire import PROTOCOL_VERSION
 
 SIZE = 65536
 
@@ -32,5 +30,4 @@ async def main(address: str, local: bool, hashes: list[bytes]) -> None:
 
 
 if __name__ == "__main__":
-    _ = (BlockKey, PROTOCOL_VERSION)
     asyncio.run(main(sys.argv[1], sys.argv[2] == "1", [bytes.fromhex(h) for h in sys.argv[3:]]))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 
-import msgpack
 import pytest
 
 from dkv.errors import AuthError, DKVError, TransportError
@@ -12,7 +11,7 @@ from dkv.keys import BlockKey
 from dkv.transport import connect
 from dkv.units import parse_address
 from tests.conftest import OnUcx, on_ucx
-from dkv.wire import HEADER, MAGIC, MAX_FRAME, PROTOCOL_VERSION, encode_body, encode_header
+from dkv.wire import HEADER, MAGIC, MAX_FRAME, PROTOCOL_VERSION, encode_header
 
 TOKEN = b"cluster-token-0123456789"
 
@@ -105,7 +104,6 @@ async def test_unknown_op_and_missing_fields_are_refused(node, clients) -> None:
         conn = await _raw_session(node.address)
         await conn.send_message(message)
         assert await _expect_closed_with_error(conn) == "protocol"
-    _ = msgpack, encode_body
     await _good_round_trip(clients, node.address)
 
 
@@ -140,4 +138,3 @@ async def test_admin_namespace_may_only_read_stats(node, clients) -> None:
     conn = await _raw_session(node.address, namespace=ADMIN_NAMESPACE)
     await conn.send_message({"op": "clear"})
     assert await _expect_closed_with_error(conn) == "protocol"
-    assert encode_header(0)

@@ -9,7 +9,6 @@ One test drives a real node to check that a reservation is never announced.
 from __future__ import annotations
 
 import asyncio
-import gc
 import math
 import os
 import subprocess
@@ -18,6 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+from tests.conftest import failure_of
 from dkv.etcd import MAX_TXN_OPS, Layout, MemberRecord, make_client, prefix_end
 from dkv.keys import BlockKey
 from dkv.publisher import DirectoryPublisher
@@ -80,17 +80,6 @@ async def _entries(client, layout: Layout, node_id: str | None = NODE) -> dict[t
         if node_id is None or holder == node_id:
             found[(namespace, block_hash)] = (item.value, item.lease)
     return found
-
-
-async def _failure_of(awaitable) -> str | None:
-    """``None`` if it succeeds, else the error as text (no live gRPC objects kept by a traceback)."""
-    try:
-        await awaitable
-    except Exception as exc:  # noqa: BLE001 - reported as a plain assertion
-        return f"{type(exc).__name__}: {str(exc)[:400]}"
-    finally:
-        gc.collect()
-    return None
 
 
 async def _revision(client) -> int:
@@ -470,7 +459,7 @@ async def test_a_resync_succeeds_when_the_directory_outgrows_one_grpc_message(et
             await pub.flush()
             assert pub.counters.puts == 48_000 and pub.pending == 0
             pub.set_lease(second)
-            failure = await _failure_of(pub.flush())
+            failure = await failure_of(pub.flush())
             assert failure is None, f"the resync cannot read a {len(hashes)}-entry directory: {failure}"
             assert pub.counters.puts == 96_000, "every entry written again on the new lease"
         finally:

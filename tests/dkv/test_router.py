@@ -8,7 +8,6 @@ reads are the ones a node's publisher wrote after its store committed them.
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
 import statistics
 import time
@@ -18,6 +17,7 @@ from contextlib import asynccontextmanager
 import pytest
 
 from cluster.process import NodeStartError
+from tests.conftest import failure_of
 from dkv.etcd import Layout, MemberRecord, make_client
 from dkv.hints import STALE_EPOCH, UNKNOWN_PEER, UnusableHint, parse_hint, resolve_hint
 from dkv.keys import BlockKey
@@ -54,17 +54,6 @@ async def _write(client, hashes: Sequence[bytes], block: bytes = BLOCK) -> None:
 
 def _peer(route) -> str | None:
     return route.peer.node_id if route.peer is not None else None
-
-
-async def _failure_of(awaitable) -> str | None:
-    """``None`` if it succeeds, else the error as text (no live gRPC objects kept by a traceback)."""
-    try:
-        await awaitable
-    except Exception as exc:  # noqa: BLE001 - reported as a plain assertion
-        return f"{type(exc).__name__}: {str(exc)[:400]}"
-    finally:
-        gc.collect()
-    return None
 
 
 async def _until(router: Router, predicate, what: str, timeout: float = WAIT) -> None:
@@ -344,7 +333,7 @@ async def test_a_router_starts_when_the_directory_outgrows_one_grpc_message(etcd
             assert pub.counters.puts == len(chain)
             router = Router(client, layout)
             try:
-                failure = await _failure_of(router.start(follow=False))
+                failure = await failure_of(router.start(follow=False))
                 assert failure is None, f"the router cannot load a {len(chain)}-entry directory: {failure}"
                 assert router.entries == len(chain)
                 route = router.route(NS, chain)

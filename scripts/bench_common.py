@@ -1,0 +1,37 @@
+"""Helpers shared by the benchmark scripts."""
+
+from __future__ import annotations
+
+import os
+import platform
+from typing import Any
+
+
+def machine_info() -> dict[str, Any]:
+    """What a benchmark ran on: CPUs, memory, versions, UCX settings, load average at the end."""
+    import numpy as np
+    import torch
+    import ucxx
+
+    info: dict[str, Any] = {
+        "nproc": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "python": platform.python_version(),
+        "implementation": platform.python_implementation(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "numpy": np.__version__,
+        "torch": torch.__version__,
+        "ucxx": getattr(ucxx, "__version__", "?"),
+        "ucx_progress_mode": os.environ.get("DKV_UCX_PROGRESS", "thread"),
+        "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
+        "loadavg_end": list(os.getloadavg()),
+    }
+    try:
+        with open("/proc/meminfo") as f:
+            info["mem_total_kib"] = int(f.readline().split()[1])
+        with open("/proc/cpuinfo") as f:
+            info["cpu_model"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
+    except (OSError, ValueError, IndexError):
+        pass
+    return info
