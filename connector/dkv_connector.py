@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import itertools
 import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +51,6 @@ from connector.types import (
     KVLoadFailed,
     KVLoadRefused,
     LeafSpec,
-    metrics_fields,
 )
 from dkv.client import NodeClient
 from dkv.errors import DKVError
@@ -307,7 +307,7 @@ class DKVConnector:
         return "dkv"
 
     @property
-    def leaves(self) -> Mapping[str, int]:
+    def leaves(self) -> Mapping[str, Hashable]:
         return {leaf: spec.group_id for leaf, spec in self._leaves.items()}
 
     def defers_lookup(self, replica_idx: int = 0) -> bool:
@@ -324,10 +324,10 @@ class DKVConnector:
         try:
             member = resolve_hint(hint, self.namespace, hashes, members)
         except UnusableHint as exc:
-            self.counters.unusable_hints[exc.reason] += 1
+            self._count_unusable_hint(exc.reason)
             return self.node_address, False
         except Exception:  # noqa: BLE001 - a hint never raises into the engine
-            self.counters.unusable_hints[UNKNOWN_PEER] += 1
+            self._count_unusable_hint(UNKNOWN_PEER)
             return self.node_address, False
         if member is None or member.node_id == self.node_id:
             return self.node_address, False
@@ -487,6 +487,7 @@ class DKVConnector:
             self._check_covered(state, keys, hint)
         except KVLoadRefused:
             self.counters.loads_refused += 1
+            self._add_metrics(connector_loads_refused=1)
             if state is not None:
                 self._release(state)
             raise
@@ -550,11 +551,12 @@ class DKVConnector:
             await self._client(state.address).read(state.lease_id, keys, targets)  # type: ignore[arg-type]
         except Exception:
             self.counters.loads_failed += 1
+            if state.peer:
+                self._add_metrics(dkv_peer_load_failures=1)
             raise
         nbytes = sum(int(t.shape[1]) for t, _ in rows)
         self.counters.blocks_loaded += len(keys)
-        with self._metrics_lock:
-            self._metrics.h2d_bytes_copied += nbytes
+        self._add_metrics(h2d_bytes_copied=nbytes, dkv_peer_loads=int(state.peer))
         return finish()
 
     # ---- offloads -----------------------------------------------------------------------------
@@ -583,8 +585,7 @@ class DKVConnector:
                 self.counters.offloads_failed += 1
                 raise
             self.counters.blocks_offloaded += result.stored
-            with self._metrics_lock:
-                self._metrics.d2h_bytes_copied += nbytes
+            self._add_metrics(d2h_bytes_copied=nbytes)
             return None
 
         pinned = {leaf: list(ids) for leaf, ids in block_ids.items() if ids}
@@ -646,10 +647,26 @@ class DKVConnector:
         except Exception:  # noqa: BLE001
             pass
 
+    def _add_metrics(self, **counts: int) -> None:
+        """Add to the per-batch metrics; fields the metrics type lacks are skipped (MAX's has more)."""
+        with self._metrics_lock:
+            for name, n in counts.items():
+                if n and hasattr(self._metrics, name):
+                    setattr(self._metrics, name, getattr(self._metrics, name) + n)
+
+    def _count_unusable_hint(self, reason: str) -> None:
+        self.counters.unusable_hints[reason] += 1
+        self._add_metrics(dkv_hints_rejected=1)
+        with self._metrics_lock:
+            by_reason = getattr(self._metrics, "dkv_hints_rejected_by_reason", None)
+            if by_reason is not None:
+                by_reason[reason] = by_reason.get(reason, 0) + 1
+
     @property
     def metrics(self) -> Any:
+        """A snapshot of the per-batch metrics since the last :meth:`take_metrics` (MAX's type under MAX)."""
         with self._metrics_lock:
-            return KVCacheMetrics(**{f: getattr(self._metrics, f) for f in metrics_fields()})
+            return copy.deepcopy(self._metrics)
 
     def take_metrics(self) -> Any:
         """Read and clear the per-batch transfer counters."""

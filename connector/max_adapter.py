@@ -12,8 +12,8 @@ modules with one that builds a DKVConnector when the connector type is ``dkv``
 and defers to MAX's own factory otherwise. Configuration comes from the
 connector config's ``block_store_endpoint`` (the co-located node) and the
 environment: ``DKV_NODE`` (default ``127.0.0.1:7420``), ``DKV_ETCD``,
-``DKV_CLUSTER``, ``DKV_NAMESPACE`` (default: derived from the cache params),
-``DKV_TOKEN``.
+``DKV_ETCD_PREFIX``, ``DKV_CLUSTER``, ``DKV_NAMESPACE`` (default:
+``DKV_TENANT``, default ``max``, plus a digest of the cache params), ``DKV_TOKEN``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from connector.dkv_connector import DKVConnector
-from connector.types import LeafSpec
+from connector.types import LeafSpec, full_attention, sliding_window
+from dkv.etcd import DEFAULT_CLUSTER, DEFAULT_PREFIX
 from dkv.keys import check_namespace
 
 FACTORY_MODULES = (
@@ -43,6 +44,22 @@ def view_buffer(buffer: Any) -> torch.Tensor:
     if isinstance(buffer, torch.Tensor):
         return buffer
     return torch.from_dlpack(buffer)
+
+
+def leaf_spec(group_id: Any, tp_shards: int) -> LeafSpec:
+    """The LeafSpec for one of MAX's cache groups, keeping MAX's group id as the leaf's group id.
+
+    MAX names a group by a ``KVCacheGroupId`` whose ``type`` is ``full`` or
+    ``sliding_window`` (with ``window_size`` tokens); a plain int is taken as a
+    full-attention group. Recurrent and scratch groups carry no block hashes,
+    so MAX never hands them to a connector; one that arrives is refused.
+    """
+    kind = getattr(group_id, "type", "full")
+    if kind == "full":
+        return full_attention(group_id, tp_shards)
+    if kind == "sliding_window":
+        return sliding_window(group_id, int(group_id.window_size), tp_shards)
+    raise ValueError(f"dKV serves attention leaves only, not a {kind!r} cache group")
 
 
 def namespace_for(params: Any) -> str:
@@ -73,10 +90,8 @@ def create_connector(
     """Build a DKVConnector over MAX's device buffers (MAX's factory signature)."""
     if not replica_kv_memory:
         raise ValueError("replica_kv_memory names no replica")
-    specs = {}
-    for leaf, group_id in leaves.items():
-        shards = len(replica_kv_memory[0][leaf].buffers)
-        specs[leaf] = LeafSpec(group_id=int(group_id), tp_shards=shards)
+    specs = {leaf: leaf_spec(group_id, len(replica_kv_memory[0][leaf].buffers))
+             for leaf, group_id in leaves.items()}
     device_blocks = [
         {leaf: [view_buffer(b) for b in memory.buffers] for leaf, memory in replica.items() if leaf in specs}
         for replica in replica_kv_memory
@@ -90,7 +105,8 @@ def create_connector(
         namespace=namespace_for(params),
         node=node,
         etcd=os.environ.get("DKV_ETCD") or None,
-        cluster=os.environ.get("DKV_CLUSTER", "default"),
+        etcd_prefix=os.environ.get("DKV_ETCD_PREFIX", DEFAULT_PREFIX),
+        cluster=os.environ.get("DKV_CLUSTER", DEFAULT_CLUSTER),
         token=token.encode() if token else None,
     )
 

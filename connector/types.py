@@ -10,8 +10,8 @@ fields. This module is the one place that adaptation lives.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 try:  # pragma: no cover - exercised only where MAX is installed
@@ -83,6 +83,11 @@ else:
         cross_replica_bytes_copied: int = 0
         disk_bytes_written: int = 0
         disk_bytes_read: int = 0
+        connector_loads_refused: int = 0
+        dkv_peer_loads: int = 0
+        dkv_peer_load_failures: int = 0
+        dkv_hints_rejected: int = 0
+        dkv_hints_rejected_by_reason: dict[str, int] = field(default_factory=dict)
 
     class CompletedTransfer:  # type: ignore[no-redef]
         """A transfer that left nothing in flight (nothing pinned, nothing to wait for)."""
@@ -99,11 +104,6 @@ else:
 
         def synchronize(self) -> None:
             return None
-
-
-def metrics_fields() -> list[str]:
-    """Names of the integer counters of :class:`KVCacheMetrics` (MAX's or ours)."""
-    return [f.name for f in fields(KVCacheMetrics)]
 
 
 @runtime_checkable
@@ -132,11 +132,14 @@ class AttentionKind(enum.Enum):
 class LeafSpec:
     """A leaf (one KV cache group as the connector sees it): its group id, attention shape and shards.
 
-    ``window`` is the sliding window in tokens (``None`` for full attention);
-    ``tp_shards`` is how many tensor-parallel shards hold a piece of each block.
+    ``group_id`` is whatever the engine names the group by and is handed back
+    unchanged by ``leaves`` (an int for the reference engine, MAX's
+    ``KVCacheGroupId`` under MAX). ``window`` is the sliding window in tokens
+    (``None`` for full attention); ``tp_shards`` is how many tensor-parallel
+    shards hold a piece of each block.
     """
 
-    group_id: int
+    group_id: Hashable
     kind: AttentionKind = AttentionKind.FULL
     window: int | None = None
     tp_shards: int = 1
@@ -148,9 +151,9 @@ class LeafSpec:
             raise ValueError("tp_shards must be at least 1")
 
 
-def full_attention(group_id: int, tp_shards: int = 1) -> LeafSpec:
+def full_attention(group_id: Hashable, tp_shards: int = 1) -> LeafSpec:
     return LeafSpec(group_id, AttentionKind.FULL, None, tp_shards)
 
 
-def sliding_window(group_id: int, window: int, tp_shards: int = 1) -> LeafSpec:
+def sliding_window(group_id: Hashable, window: int, tp_shards: int = 1) -> LeafSpec:
     return LeafSpec(group_id, AttentionKind.SLIDING_WINDOW, window, tp_shards)

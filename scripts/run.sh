@@ -3,14 +3,17 @@
 #   scripts/run.sh demo   set up, then run the main job: `dkv demo` (etcd + 3 nodes + 3 engines, dKV on vs off)
 #   scripts/run.sh test   set up, then run the test suite
 # Set-up is idempotent and quick once done: Debian packages (etcd), a virtual
-# environment in .venv, and this project installed into it with its pinned deps.
+# environment in .venv, and this project installed into it with its pinned deps
+# (for the tests also Modular MAX, the `max` extra).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python3}
 VENV=.venv
 
+# setup EXTRAS: etcd, .venv, and this project with the given pip extras (e.g. "test,max").
 setup() {
+  local extras=$1
   if ! command -v etcd >/dev/null 2>&1; then
     echo "==> installing etcd (Debian package etcd-server)"
     if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
@@ -18,34 +21,38 @@ setup() {
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq etcd-server iproute2 >/dev/null
   fi
   local stamp="$VENV/.dkv-installed"
-  local want
-  want=$(sha256sum pyproject.toml | cut -c1-16)
+  local pins
+  pins=$(sha256sum pyproject.toml | cut -c1-16)
   if [ ! -x "$VENV/bin/python" ]; then
     echo "==> creating $VENV"
     "$PY" -m venv "$VENV"
   fi
-  if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-    echo "==> installing dKV and its pinned dependencies into $VENV"
-    "$VENV/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
-    "$VENV/bin/python" -m pip install -q -e '.[test]' 2>&1 | grep -v '^WARNING: Location' || true
-    "$VENV/bin/python" -c "import dkv, ucxx, torch, msgpack, etcd3aio" >/dev/null
-    echo "$want" > "$stamp"
+  case "$(cat "$stamp" 2>/dev/null)" in
+    "$pins "*"$extras"*) return ;;   # these pins, with (at least) these extras, are installed
+  esac
+  echo "==> installing dKV and its pinned dependencies (extras: $extras) into $VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip 2>&1 | { grep -v '^WARNING: Location' || true; }
+  "$VENV/bin/python" -m pip install -q -e ".[$extras]" 2>&1 | { grep -v '^WARNING: Location' || true; }
+  "$VENV/bin/python" -c "import dkv, ucxx, torch, msgpack, etcd3aio" >/dev/null
+  if [[ ",$extras," == *",max,"* ]]; then
+    "$VENV/bin/python" -c "import max.pipelines.kv_cache" >/dev/null
   fi
+  echo "$pins $extras" > "$stamp"
 }
 
 cmd=${1:-}
 shift || true
 case "$cmd" in
   demo)
-    setup
+    setup test
     exec "$VENV/bin/dkv" demo "$@"
     ;;
   test)
-    setup
+    setup test,max   # with Modular MAX, so its own KV cache manager is driven over dKV
     exec "$VENV/bin/python" -m pytest -q "$@"
     ;;
   setup)
-    setup
+    setup test,max
     ;;
   *)
     echo "usage: scripts/run.sh demo|test|setup [args...]" >&2

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
 
 from connector.dkv_connector import DKVConnector
-from connector.max_adapter import create_connector, namespace_for
+from connector.max_adapter import create_connector, namespace_for, view_buffer
 
 
 @dataclass
@@ -70,13 +73,195 @@ def test_namespace_follows_the_layout_of_the_params() -> None:
     assert a != b and a.startswith("max/")
 
 
-def test_drives_max_own_manager_when_max_is_installed() -> None:
+# ---- Modular MAX's own KV cache manager (only where the package ``max`` is installed) ---------------------------
+
+PAGE_TOKENS = 16
+PROMPT_TOKENS = 5 * PAGE_TOKENS + 7  # five full pages and a partial one
+
+
+@pytest.fixture(scope="module")
+def max_kv():
+    """MAX's KV cache modules with dKV installed as its ``dkv`` connector; skips with a printed reason without MAX."""
     try:
-        import max.pipelines.kv_cache  # noqa: F401
-    except ImportError:
-        print("skipped: Modular MAX (package max) is not installed here; the adapter is exercised above "
-              "with MAX-shaped inputs")
-        pytest.skip("Modular MAX (package max) is not installed")
+        from max.driver import CPU  # noqa: F401
+        from max.pipelines.kv_cache import JengaKVCacheManager  # noqa: F401
+    except ImportError as exc:
+        reason = f"Modular MAX (package max) is not installed here ({exc}); install it with pip install -e .[max]"
+        print(f"skipped: {reason}")
+        pytest.skip(reason)
     from connector.max_adapter import install
 
     assert install(), "MAX's connector factory was not found to patch"
+    import max.pipelines.kv_cache as kv
+
+    return kv
+
+
+def max_manager(node_address: str):
+    """MAX's Jenga KV cache manager on the CPU, configured with connector type ``dkv`` at ``node_address``."""
+    from max.dtype import DType
+    from max.graph import DeviceRef
+    from max.nn.kv_cache import MHAKVCacheParams
+    from max.nn.kv_cache.cache_params import KVConnectorType, NullKVConnectorConfig
+    from max.pipelines.kv_cache import JengaKVCacheManager
+
+    params = MHAKVCacheParams(
+        dtype=DType.float32, n_kv_heads=2, head_dim=16, num_layers=2, page_size=PAGE_TOKENS,
+        devices=[DeviceRef.CPU()], enable_prefix_caching=True,
+        kv_connector_config=NullKVConnectorConfig(type=KVConnectorType.dkv, block_store_endpoint=node_address),
+    )
+    return JengaKVCacheManager.create(params=params, available_bytes=8 << 20, max_batch_size=2, max_seq_len=256)
+
+
+def request(hint: bytes | None = None):
+    import numpy as np
+    from max.pipelines.context import TextContext, TokenBuffer
+
+    tokens = np.arange(1000, 1000 + PROMPT_TOKENS, dtype=np.int64)
+    return TextContext(max_length=1024, tokens=TokenBuffer(tokens), dkv_cache_hint=hint)
+
+
+def device_rows(manager, ctx) -> dict[str, list[torch.Tensor]]:
+    """Per leaf, the request's device rows of every TP shard, viewed through DLPack."""
+    memory = manager.get_device_buffer(0).to_memory()
+    blocks = manager.get_req_blocks_per_leaf(ctx)
+    return {leaf: [torch.from_dlpack(shard)[ids] for shard in memory[leaf].buffers]
+            for leaf, ids in blocks.items()}
+
+
+def drain(manager) -> None:
+    deadline = time.monotonic() + 30
+    while manager.pending_transfers_exist(0):
+        assert time.monotonic() < deadline, "MAX's manager still has transfers in flight"
+        manager.poll_transfers()
+        time.sleep(0.005)
+
+
+def serve_prompt(manager, ctx, *, write_kv: bool) -> None:
+    """One request through MAX's manager: claim, alloc (lookup + load), forward, commit, next forward (offload)."""
+    manager.claim(ctx)
+    manager.alloc(ctx)
+    drain(manager)
+    manager.runtime_inputs([[ctx]])
+    if write_kv:  # the "model" writes real-looking KV into every row it was handed
+        memory = manager.get_device_buffer(0).to_memory()
+        generator = torch.Generator().manual_seed(7)
+        for leaf, ids in manager.get_req_blocks_per_leaf(ctx).items():
+            for shard in memory[leaf].buffers:
+                view = torch.from_dlpack(shard)
+                view[ids] = torch.randint(0, 256, (len(ids), view.shape[1]), dtype=torch.uint8, generator=generator)
+    ctx.update(5)
+    manager.step(ctx)
+    manager.alloc(ctx)
+    manager.runtime_inputs([[ctx]])  # MAX posts the offloads of what the last step committed here
+    drain(manager)
+
+
+def wait_offloaded(manager, blocks: int) -> None:
+    deadline = time.monotonic() + 30
+    while manager._connector.counters.blocks_offloaded < blocks:  # noqa: SLF001 - the transfer settles off-thread
+        assert time.monotonic() < deadline, "engine A's offload never reached the node"
+        time.sleep(0.01)
+
+
+def test_max_buffers_are_viewed_by_torch_without_a_copy(max_kv) -> None:
+    from max.driver import CPU, Buffer
+    from max.dtype import DType
+
+    buffer = Buffer.zeros(shape=(4, 64), dtype=DType.uint8, device=CPU())
+    view_buffer(buffer)[2, 5] = 99
+    assert buffer.to_numpy()[2, 5] == 99, "a write through the torch view must land in MAX's own buffer"
+
+
+def test_max_manager_loads_the_prefix_another_manager_offloaded_and_holds_its_exact_bytes(max_kv, node) -> None:
+    engine_a, engine_b = max_manager(node.address), max_manager(node.address)
+    try:
+        assert isinstance(engine_a._connector, DKVConnector)  # noqa: SLF001 - built by MAX's own factory call
+        first = request()
+        serve_prompt(engine_a, first, write_kv=True)
+        full_pages = PROMPT_TOKENS // PAGE_TOKENS
+        wait_offloaded(engine_a, full_pages)
+        written = {leaf: [rows[:full_pages].clone() for rows in shards]
+                   for leaf, shards in device_rows(engine_a, first).items()}
+
+        second = request()
+        engine_b.claim(second)
+        engine_b.alloc(second)
+        drain(engine_b)
+        metrics = engine_b.take_metrics_aggregated()
+        assert metrics.cache_tokens == full_pages * PAGE_TOKENS, "engine B must take the whole prefix from dKV"
+        assert metrics.h2d_bytes_copied > 0 and metrics.connector_load_failures == 0
+        loaded = device_rows(engine_b, second)
+        for leaf, shards in written.items():
+            for shard, rows in enumerate(shards):
+                assert torch.equal(loaded[leaf][shard][:full_pages], rows), f"{leaf} shard {shard}: bytes differ"
+        engine_a.release(first)
+        engine_b.release(second)
+    finally:
+        engine_a.shutdown()
+        engine_b.shutdown()
+
+
+def test_max_manager_loads_from_the_peer_its_hint_names_bit_exact(max_kv, etcd, node_factory, monkeypatch) -> None:
+    from max.pipelines.kv_cache.paged_kv_cache._common import compute_block_hashes
+
+    a = node_factory(*etcd.node_args("a"))
+    b = node_factory(*etcd.node_args("b"))
+    monkeypatch.setenv("DKV_ETCD", etcd.url)
+    monkeypatch.setenv("DKV_ETCD_PREFIX", etcd.prefix)
+    engine_a, engine_b = max_manager(a.address), max_manager(b.address)
+    try:
+        first = request()
+        serve_prompt(engine_a, first, write_kv=True)
+        full_pages = PROMPT_TOKENS // PAGE_TOKENS
+        wait_offloaded(engine_a, full_pages)
+        written = {leaf: [rows[:full_pages].clone() for rows in shards]
+                   for leaf, shards in device_rows(engine_a, first).items()}
+
+        connector_b = engine_b._connector  # noqa: SLF001
+        hashes = compute_block_hashes(request(), [], PAGE_TOKENS, engine_b.params.kv_hash_algo,
+                                      engine_b.params.kv_hash_seed)
+        deadline = time.monotonic() + 30
+        while (route := connector_b._router.route(connector_b.namespace, hashes)).depth < full_pages:
+            assert time.monotonic() < deadline, "the directory never showed engine A's blocks"
+            time.sleep(0.05)
+        assert route.peer is not None and route.peer.node_id == "a"
+
+        second = request(hint=route.hint.encode())
+        engine_b.claim(second)
+        engine_b.alloc(second)
+        drain(engine_b)
+        metrics = engine_b.take_metrics_aggregated()
+        assert metrics.cache_tokens == full_pages * PAGE_TOKENS and metrics.dkv_peer_loads == 1
+        loaded = device_rows(engine_b, second)
+        for leaf, shards in written.items():
+            for shard, rows in enumerate(shards):
+                assert torch.equal(loaded[leaf][shard][:full_pages], rows), f"{leaf} shard {shard}: bytes differ"
+        engine_a.release(first)
+        engine_b.release(second)
+    finally:
+        engine_a.shutdown()
+        engine_b.shutdown()
+
+
+def test_max_manager_serves_a_garbled_hint_as_a_counted_miss(max_kv, node) -> None:
+    engine = max_manager(node.address)
+    try:
+        ctx = request(hint=b"{not json")
+        engine.claim(ctx)
+        engine.alloc(ctx)
+        drain(engine)
+        metrics = engine.take_metrics_aggregated()
+        assert metrics.cache_tokens == 0 and metrics.dkv_hints_rejected == 1
+        assert sum(metrics.dkv_hints_rejected_by_reason.values()) == 1
+        engine.release(ctx)
+    finally:
+        engine.shutdown()
+
+
+def test_without_max_the_connector_raises_and_returns_dkvs_own_protocol_types(node) -> None:
+    script = Path(__file__).with_name("without_max.py")
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, str(script), node.address], cwd=root, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stdout + done.stderr
