@@ -10,9 +10,27 @@ fields. This module is the one place that adaptation lives.
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
+
+# Variables that steer how a child Python finds its environment. Importing MAX
+# starts its native runtime, which sets some of them in the process's C-level
+# environment (PYTHONEXECUTABLE, PYTHONPATH) behind ``os.environ``'s back; every
+# child Python started afterwards without an explicit env (``dkv`` commands,
+# node processes) then loses its virtual environment. They are put back after
+# the import to what ``os.environ`` says.
+_PYTHON_STARTUP_VARIABLES = ("PYTHONEXECUTABLE", "PYTHONPATH", "PYTHONHOME")
+
+
+def _restore_python_startup_environment() -> None:
+    for name in _PYTHON_STARTUP_VARIABLES:
+        if name in os.environ:
+            os.putenv(name, os.environ[name])
+        else:
+            os.unsetenv(name)
+
 
 try:  # pragma: no cover - exercised only where MAX is installed
     from max.nn.kv_cache.metrics import KVCacheMetrics as _MaxMetrics
@@ -24,6 +42,8 @@ try:  # pragma: no cover - exercised only where MAX is installed
     MAX_AVAILABLE = True
 except ImportError:
     MAX_AVAILABLE = False
+finally:
+    _restore_python_startup_environment()
 
 
 if MAX_AVAILABLE:  # pragma: no cover

@@ -265,3 +265,12 @@ def test_without_max_the_connector_raises_and_returns_dkvs_own_protocol_types(no
     done = subprocess.run([sys.executable, str(script), node.address], cwd=root, capture_output=True, text=True,
                           timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stdout + done.stderr
+
+
+def test_a_child_python_started_after_the_connector_imported_max_keeps_its_environment() -> None:
+    import connector.types  # noqa: F401 - imports MAX where it is installed, whose runtime edits the C environment
+
+    done = subprocess.run([sys.executable, "-c", "import sys, typer, tenacity; print(sys.prefix)"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == sys.prefix, "the child Python must run in this process's environment"
