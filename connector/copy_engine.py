@@ -102,15 +102,17 @@ class CopyEngine:
 
         return [host_buffer(s) for s in staging], finish
 
-    def offload_sources(self, rows: Rows) -> tuple[Callable[[], list[Any]], Completion]:
-        """A function giving host buffers with ``rows``' bytes once the returned completion is done.
+    def offload_sources(self, rows: Callable[[], Rows]) -> tuple[Callable[[], list[Any]], Completion]:
+        """A function giving host buffers with the rows' bytes once the returned completion is done.
 
-        On CUDA the device-to-host copies are queued here, on the caller's thread,
-        behind the work already on the compute stream; on CPU nothing happens here.
+        ``rows`` lists the rows when called. On CUDA it is called here and the
+        device-to-host copies are queued here, on the caller's thread, behind
+        the work already on the compute stream; on CPU nothing happens here:
+        the rows are listed and viewed when the buffers are asked for.
         """
         if self._stream is None:
-            return (lambda: self._cpu_views(rows)), Done()
-        device_rows = [tensor[block_id] for tensor, block_id in rows]
+            return (lambda: self._cpu_views(rows())), Done()
+        device_rows = [tensor[block_id] for tensor, block_id in rows()]
         staging = [torch.empty(r.numel(), dtype=torch.uint8, pin_memory=True) for r in device_rows]
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from connector.copy_engine import Completion, CopyEngine
+from connector.transfer_plan import TransferPlan, plan_transfer
 from connector.types import (
     ByteCount,
     CompletedTransfer,
@@ -56,7 +57,7 @@ from dkv.client import NodeClient
 from dkv.errors import DKVError
 from dkv.etcd import DEFAULT_CLUSTER, DEFAULT_PREFIX, Layout, MemberRecord, make_client
 from dkv.hints import UNKNOWN_PEER, UnusableHint, resolve_hint
-from dkv.keys import BlockKey, check_hash, check_hashes, check_namespace
+from dkv.keys import check_hashes, check_namespace
 from dkv.loop_thread import acquire_shared_loop, release_shared_loop
 from dkv.router import Router
 
@@ -474,17 +475,17 @@ class DKVConnector:
               block_hashes: Mapping[str, Sequence[bytes]], replica_idx: int, hint: bytes | None) -> Any:
         try:
             self._check_replica(replica_idx)
-            keys, rows = self._plan(block_ids, block_hashes, replica_idx)
+            plan = plan_transfer(block_ids, block_hashes, self._blocks[replica_idx])
         except ValueError:
             if state is not None:
                 self._release(state)  # bad input must not leave the lookup's lease pinned
             raise
-        if not keys:
+        if not plan.runs:
             if state is not None:
                 self._release(state)
             return CompletedTransfer()
         try:
-            self._check_covered(state, keys, hint)
+            self._check_covered(state, plan, hint)
         except KVLoadRefused:
             self.counters.loads_refused += 1
             self._add_metrics(connector_loads_refused=1)
@@ -493,7 +494,7 @@ class DKVConnector:
             raise
         assert state is not None
         try:
-            future = self._submit(self._read(state, keys, rows))
+            future = self._submit(self._read(state, plan))
         except Exception as exc:
             self.counters.loads_failed += 1
             raise KVLoadFailed(f"could not post the load: {exc}") from exc
@@ -502,35 +503,7 @@ class DKVConnector:
         self._transfers.append(transfer)
         return transfer
 
-    def _plan(self, block_ids: Mapping[str, Sequence[int]], block_hashes: Mapping[str, Sequence[bytes]],
-              replica_idx: int) -> tuple[list[BlockKey], list[tuple[torch.Tensor, int]]]:
-        """Keys and ``(shard tensor, block id)`` rows of every block to move; ``ValueError`` on bad input.
-
-        Runs on the scheduler thread, so it only validates and lists: no tensor views.
-        """
-        keys: list[BlockKey] = []
-        rows: list[tuple[torch.Tensor, int]] = []
-        for leaf, ids in block_ids.items():
-            if leaf not in self._leaves:
-                raise ValueError(f"unknown leaf {leaf!r}")
-            hashes = block_hashes.get(leaf, ())
-            if len(ids) != len(hashes):
-                raise ValueError(f"leaf {leaf!r}: {len(ids)} block ids for {len(hashes)} hashes")
-            shards = self._blocks[replica_idx][leaf]
-            pages = self._pages[replica_idx][leaf]
-            for block_id, block_hash in zip(ids, hashes):
-                if type(block_hash) is not bytes or len(block_hash) not in (8, 32):
-                    check_hash(block_hash)  # raises the boundary's ValueError
-                    block_hash = bytes(block_hash)
-                block_id = int(block_id)
-                if not 0 < block_id < pages:
-                    raise ValueError(f"leaf {leaf!r}: block id {block_id} outside 1..{pages - 1}")
-                for shard, tensor in enumerate(shards):
-                    keys.append(BlockKey(leaf, shard, block_hash))
-                    rows.append((tensor, block_id))
-        return keys, rows
-
-    def _check_covered(self, state: _LeaseState | None, keys: list[BlockKey], hint: bytes | None) -> None:
+    def _check_covered(self, state: _LeaseState | None, plan: TransferPlan, hint: bytes | None) -> None:
         if state is None:
             raise KVLoadRefused("no completed lookup precedes this load (or it found nothing)")
         if state.hint != hint:
@@ -539,14 +512,16 @@ class DKVConnector:
             raise KVLoadRefused("the lookup holds no lease")
         if time.monotonic() > state.expires_at - LEASE_MARGIN:
             raise KVLoadRefused("the lookup's lease expired before the load")
-        reported = {leaf: {h for h, ok in zip(state.hashes, mask) if ok} for leaf, mask in state.masks.items()}
-        for leaf, _shard, block_hash in keys:
-            if block_hash not in reported.get(leaf, ()):
-                raise KVLoadRefused(f"leaf {leaf!r}: block was not reported by the lookup", leaf, block_hash)
+        for run in plan.runs:
+            mask = state.masks.get(run.leaf, ())
+            reported = {h for h, ok in zip(state.hashes, mask) if ok}
+            if not reported.issuperset(run.hashes):
+                missing = next(h for h in run.hashes if h not in reported)
+                raise KVLoadRefused(f"leaf {run.leaf!r}: block was not reported by the lookup", run.leaf, missing)
 
-    async def _read(self, state: _LeaseState, keys: list[BlockKey], rows: list[tuple[torch.Tensor, int]]) -> Completion:
-        copy = self._copy[rows[0][0].device]
-        targets, finish = copy.load_targets(rows)
+    async def _read(self, state: _LeaseState, plan: TransferPlan) -> Completion:
+        keys, rows = plan.keys(), plan.rows()
+        targets, finish = self._copy[plan.device].load_targets(rows)
         try:
             await self._client(state.address).read(state.lease_id, keys, targets)  # type: ignore[arg-type]
         except Exception:
@@ -554,9 +529,8 @@ class DKVConnector:
             if state.peer:
                 self._add_metrics(dkv_peer_load_failures=1)
             raise
-        nbytes = sum(int(t.shape[1]) for t, _ in rows)
         self.counters.blocks_loaded += len(keys)
-        self._add_metrics(h2d_bytes_copied=nbytes, dkv_peer_loads=int(state.peer))
+        self._add_metrics(h2d_bytes_copied=plan.nbytes, dkv_peer_loads=int(state.peer))
         return finish()
 
     # ---- offloads -----------------------------------------------------------------------------
@@ -570,31 +544,29 @@ class DKVConnector:
         raising (the blocks are simply not stored) and is counted.
         """
         self._check_replica(replica_idx)
-        keys, rows = self._plan(block_ids, block_hashes, replica_idx)
-        if not keys or self._closed:
+        plan = plan_transfer(block_ids, block_hashes, self._blocks[replica_idx])
+        if not plan.runs or self._closed:
             return CompletedTransfer()
-        sources, ready = self._copy[rows[0][0].device].offload_sources(rows)
-        nbytes = sum(int(t.shape[1]) for t, _ in rows)
+        sources, ready = self._copy[plan.device].offload_sources(plan.rows)
 
         async def run() -> None:
             while not ready.is_done():
                 await asyncio.sleep(0.0005)
             try:
-                result = await self._client(self.node_address).write(keys, sources())
+                result = await self._client(self.node_address).write(plan.keys(), sources())
             except Exception:
                 self.counters.offloads_failed += 1
                 raise
             self.counters.blocks_offloaded += result.stored
-            self._add_metrics(d2h_bytes_copied=nbytes)
+            self._add_metrics(d2h_bytes_copied=plan.nbytes)
             return None
 
-        pinned = {leaf: list(ids) for leaf, ids in block_ids.items() if ids}
         try:
             future = self._submit(run())
         except RuntimeError:
             return CompletedTransfer()
         self.counters.offloads += 1
-        transfer = _Transfer(future, is_load=False, g0_blocks_per_leaf=pinned)
+        transfer = _Transfer(future, is_load=False, g0_blocks_per_leaf=plan.block_ids())
         self._transfers.append(transfer)
         return transfer
 

@@ -42,7 +42,11 @@ def check_hash(block_hash: object) -> bytes:
 
 def check_hashes(block_hashes: Iterable[object]) -> list[bytes]:
     """Validate a run of hashes; every one must be 8 or 32 bytes (``ValueError`` otherwise)."""
-    return [check_hash(h) for h in block_hashes]
+    hashes = list(block_hashes)
+    for h in hashes:  # fast path: plain bytes of a valid length, kept as they are
+        if type(h) is not bytes or len(h) not in HASH_LENGTHS:
+            return [check_hash(x) for x in hashes]
+    return hashes  # type: ignore[return-value]
 
 
 def check_leaf(leaf: object) -> str:

@@ -1,0 +1,92 @@
+"""What one load or offload moves: validated on the scheduler thread, expanded where the bytes move.
+
+The engine's scheduler thread calls ``load``/``offload`` synchronously, so the
+connector does there only what must happen before it returns: check every
+leaf, hash and block id (a bad one is a ``ValueError`` before anything moves).
+Turning the request into one node key and one ``(tensor, block id)`` row per
+block and TP shard is per-block Python work; :meth:`TransferPlan.keys` and
+:meth:`TransferPlan.rows` do it later, on the UCX loop thread.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from connector.copy_engine import Rows
+from dkv.keys import HASH_LENGTHS, BlockKey, check_hash
+
+
+@dataclass(frozen=True, slots=True)
+class LeafRun:
+    """One leaf's blocks: ``hashes[i]`` goes to/from row ``block_ids[i]`` of every shard tensor."""
+
+    leaf: str
+    shards: Sequence[torch.Tensor]
+    block_ids: list[int]
+    hashes: list[bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class TransferPlan:
+    """The validated blocks of one transfer, leaf by leaf (leaves with no blocks left out)."""
+
+    runs: list[LeafRun]
+
+    @property
+    def device(self) -> torch.device:
+        return self.runs[0].shards[0].device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(run.block_ids) * sum(int(t.shape[1]) for t in run.shards) for run in self.runs)
+
+    def keys(self) -> list[BlockKey]:
+        """One node key per block and shard, in the order of :meth:`rows`."""
+        return [BlockKey(run.leaf, shard, h) for run in self.runs for shard in range(len(run.shards))
+                for h in run.hashes]
+
+    def rows(self) -> Rows:
+        """One ``(shard tensor, block id)`` per block and shard, in the order of :meth:`keys`."""
+        return [(tensor, block_id) for run in self.runs for tensor in run.shards for block_id in run.block_ids]
+
+    def block_ids(self) -> dict[str, list[int]]:
+        return {run.leaf: run.block_ids for run in self.runs}
+
+
+def plan_transfer(block_ids: Mapping[str, Sequence[int]], block_hashes: Mapping[str, Sequence[bytes]],
+                  shards: Mapping[str, Sequence[torch.Tensor]]) -> TransferPlan:
+    """Validate one transfer against a replica's shard tensors (``shards[leaf]``); ``ValueError`` on bad input.
+
+    Every leaf of ``block_ids`` must be known and have as many hashes as ids;
+    hashes are 8 or 32 bytes; block ids are integers in ``1..pages-1`` (row 0
+    is the null page).
+    """
+    runs: list[LeafRun] = []
+    for leaf, ids in block_ids.items():
+        tensors = shards.get(leaf)
+        if tensors is None:
+            raise ValueError(f"unknown leaf {leaf!r}")
+        hashes = list(block_hashes.get(leaf, ()))
+        if len(ids) != len(hashes):
+            raise ValueError(f"leaf {leaf!r}: {len(ids)} block ids for {len(hashes)} hashes")
+        if not hashes:
+            continue
+        for h in hashes:
+            if type(h) is not bytes or len(h) not in HASH_LENGTHS:
+                hashes = [check_hash(x) for x in hashes]  # raises the boundary's ValueError, or converts
+                break
+        try:
+            rows = [operator.index(i) for i in ids]  # ints and numpy ints, never floats
+        except TypeError:
+            raise ValueError(f"leaf {leaf!r}: block ids must be integers") from None
+        pages = int(tensors[0].shape[0])
+        low, high = min(rows), max(rows)
+        if low < 1 or high >= pages:
+            bad = low if low < 1 else high
+            raise ValueError(f"leaf {leaf!r}: block id {bad} outside 1..{pages - 1}")
+        runs.append(LeafRun(leaf, tensors, rows, hashes))
+    return TransferPlan(runs)

@@ -1,0 +1,60 @@
+"""The transfer plan: every bad leaf, hash and block id is refused before anything moves; keys pair with rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from connector.transfer_plan import plan_transfer
+from dkv.keys import BlockKey
+
+H = [bytes([i]) * 8 for i in range(1, 5)]
+
+
+def shards(tp: int = 2, pages: int = 8) -> dict[str, list[torch.Tensor]]:
+    return {"full": [torch.zeros(pages, 16, dtype=torch.uint8) for _ in range(tp)],
+            "swa": [torch.zeros(pages, 32, dtype=torch.uint8) for _ in range(tp)]}
+
+
+def test_keys_and_rows_pair_every_block_of_every_shard_in_the_same_order() -> None:
+    tensors = shards()
+    plan = plan_transfer({"full": [3, 5], "swa": [7]}, {"full": H[:2], "swa": H[2:3]}, tensors)
+    keys, rows = plan.keys(), plan.rows()
+    assert len(keys) == len(rows) == 6
+    for key, (tensor, block_id) in zip(keys, rows):
+        assert tensor is tensors[key.leaf][key.shard]
+        expected = {H[0]: 3, H[1]: 5, H[2]: 7}[key.hash]
+        assert block_id == expected
+    assert keys[0] == BlockKey("full", 0, H[0])
+    assert plan.nbytes == 2 * (16 + 16) + 1 * (32 + 32)
+    assert plan.block_ids() == {"full": [3, 5], "swa": [7]}
+
+
+def test_leaves_with_no_blocks_are_left_out() -> None:
+    plan = plan_transfer({"full": [], "swa": [1]}, {"full": [], "swa": H[:1]}, shards())
+    assert [run.leaf for run in plan.runs] == ["swa"]
+    assert plan_transfer({"full": []}, {"full": []}, shards()).runs == []
+
+
+def test_numpy_block_ids_and_bytes_like_hashes_are_accepted_as_ints_and_bytes() -> None:
+    plan = plan_transfer({"full": np.array([1, 2])}, {"full": [bytearray(H[0]), memoryview(H[1])]}, shards())
+    run = plan.runs[0]
+    assert run.block_ids == [1, 2] and all(type(i) is int for i in run.block_ids)
+    assert run.hashes == H[:2] and all(type(h) is bytes for h in run.hashes)
+
+
+@pytest.mark.parametrize(("ids", "hashes", "message"), [
+    ({"nope": [1]}, {"nope": H[:1]}, "unknown leaf"),
+    ({"full": [1, 2]}, {"full": H[:1]}, "2 block ids for 1 hashes"),
+    ({"full": [1]}, {}, "1 block ids for 0 hashes"),
+    ({"full": [1]}, {"full": [b"short"]}, "8 bytes"),
+    ({"full": [1]}, {"full": ["not bytes"]}, "must be bytes"),
+    ({"full": [0]}, {"full": H[:1]}, "block id 0 outside 1..7"),
+    ({"full": [1, 8]}, {"full": H[:2]}, "block id 8 outside 1..7"),
+    ({"full": [1.0]}, {"full": H[:1]}, "must be integers"),
+    ({"full": ["1"]}, {"full": H[:1]}, "must be integers"),
+])
+def test_bad_input_is_a_value_error_naming_what_is_wrong(ids, hashes, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        plan_transfer(ids, hashes, shards())
