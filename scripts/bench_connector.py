@@ -33,6 +33,8 @@ block is one key; device blocks are CPU ``uint8`` tensors (the copy engine's no-
    full collection of a process that imported torch and ucxx scans ~200 k objects (tens of ms
    on a small machine); ``--gc-freeze`` freezes what each section's set-up left alive, as
    engines often do after start-up.
+   The last row is the same-run baseline: posting an empty coroutine to the loop thread, the
+   floor under every call that posts work (``start_lookup``, ``load*``, ``offload``, ``touch``).
    Goal: ``load``, ``load_lookup`` and ``offload`` return in <= 200 µs for 64 blocks (judged at
    p50 and at p99, loop idle).
 
@@ -159,6 +161,10 @@ class Waiter:
             if time.monotonic() > deadline:
                 raise BenchError(f"{what} did not complete within {timeout:.0f}s")
             time.sleep(self.poll_s if self.poll_s > 0 else 0.0001)
+
+
+async def _nothing() -> None:
+    """The baseline's coroutine: what posting to the loop thread costs with no work in it."""
 
 
 def settle(*conns: Any, timeout: float = OP_TIMEOUT) -> None:
@@ -430,6 +436,9 @@ class Bench:
                 call("probe_miss", lambda: conn.probe(miss, [0]))
                 call("poll_transfers", conn.poll_transfers)
                 call("take_metrics", conn.take_metrics)
+                settle(conn)
+                posted = call("post_baseline", lambda: conn._loop.submit(_nothing()))
+                posted.result(OP_TIMEOUT)
                 if i >= 5:
                     for op, (ns, gc_ran) in t.items():
                         samples[op].add(ns, gc_ran)
@@ -676,6 +685,7 @@ CALL_ROWS = [
     ("probe_miss", "probe, nothing announced"),
     ("poll_transfers", "poll_transfers"),
     ("take_metrics", "take_metrics"),
+    ("post_baseline", "baseline: post an empty coroutine to the loop"),
 ]
 
 
