@@ -50,6 +50,7 @@ from connector.types import (
     CompletedTransfer,
     KVCacheMetrics,
     KVLoadFailed,
+    KVLoadInvalid,
     KVLoadRefused,
     LeafSpec,
 )
@@ -155,8 +156,15 @@ class _Transfer:
                 return True
             self._error = exc
             raise KVLoadFailed(f"load failed after it was posted: {exc}") from exc
-        if self._completion is not None and not self._completion.is_done():
-            return False
+        try:
+            if self._completion is not None and not self._completion.is_done():
+                return False
+        except Exception as exc:  # noqa: BLE001 - a device error in the copy is this load's failure
+            if not self._is_load:
+                self._landed = True
+                return True
+            self._error = exc
+            raise KVLoadFailed(f"the device copy failed: {exc}") from exc
         self._landed = True
         return True
 
@@ -448,7 +456,14 @@ class DKVConnector:
 
     def load(self, block_ids: Mapping[str, Sequence[int]], block_hashes: Mapping[str, Sequence[bytes]],
              replica_idx: int = 0, hint: bytes | None = None) -> Any:
-        """Load exactly these blocks, all or nothing, out of the replica's last ``lookup()``."""
+        """Load exactly these blocks, all or nothing, out of the replica's last ``lookup()``.
+
+        Raises only :class:`KVLoadRefused` (before anything moved: a block the
+        lookup did not report, an expired lease, a different hint; bad input is
+        its subclass :class:`KVLoadInvalid`, also a ``ValueError``) and
+        :class:`KVLoadFailed` (posting failed); a later failure is raised by the
+        returned transfer's ``is_complete()``.
+        """
         state = self._last_lookup.pop(replica_idx, None)
         return self._load(state, block_ids, block_hashes, replica_idx, hint)
 
@@ -476,10 +491,12 @@ class DKVConnector:
         try:
             self._check_replica(replica_idx)
             plan = plan_transfer(block_ids, block_hashes, self._blocks[replica_idx])
-        except ValueError:
+        except ValueError as exc:
             if state is not None:
                 self._release(state)  # bad input must not leave the lookup's lease pinned
-            raise
+            self.counters.loads_refused += 1
+            self._add_metrics(connector_loads_refused=1)
+            raise KVLoadInvalid(f"load refused: {exc}") from exc
         if not plan.runs:
             if state is not None:
                 self._release(state)

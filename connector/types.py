@@ -126,6 +126,17 @@ else:
             return None
 
 
+class KVLoadInvalid(KVLoadRefused, ValueError):
+    """A load refused for bad input (unknown leaf, ids and hashes of different lengths, a hash
+    that is not 8 or 32 bytes, a block id outside the device tensor, an unknown replica).
+
+    Nothing moved. It is a :class:`KVLoadRefused`, because that (or
+    :class:`KVLoadFailed`) is all an engine's allocator expects out of ``load``
+    (MAX serves the request as a miss), and a ``ValueError``, because the
+    caller passed something wrong and the message says what.
+    """
+
+
 @runtime_checkable
 class KVTransfer(Protocol):
     """One transfer. ``is_complete`` never blocks, may raise :class:`KVLoadFailed`, and is safe to poll again."""

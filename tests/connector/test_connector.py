@@ -461,10 +461,13 @@ async def test_bad_block_ids_in_a_load_release_the_lookups_lease(node, connector
     offload_chain(conn, blocks, hashes)
     handle = conn.start_lookup(hashes)
     answered(handle)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError) as refused:
         conn.load_lookup(handle, {"full": [0]}, {"full": hashes[:1]})  # row 0 is the null page
+    assert isinstance(refused.value, KVLoadRefused), "an engine's allocator only catches the protocol's two types"
+    with pytest.raises(KVLoadRefused, match="replica_idx"):
+        conn.load({"full": [1]}, {"full": hashes[:1]}, replica_idx=3)
     conn.lookup(hashes)
-    with pytest.raises(ValueError):
+    with pytest.raises(KVLoadRefused, match="block id 10000"):
         conn.load({"full": [10_000]}, {"full": hashes[:1]})
     stats = await wait_for_stats(node.address, lambda s: s["leases"] == 0)
     assert stats["leases"] == 0, "a load refused for bad input must hand the lease back"
