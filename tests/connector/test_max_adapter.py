@@ -173,28 +173,41 @@ def test_max_buffers_are_viewed_by_torch_without_a_copy(max_kv) -> None:
     assert buffer.to_numpy()[2, 5] == 99, "a write through the torch view must land in MAX's own buffer"
 
 
+FULL_PAGES = PROMPT_TOKENS // PAGE_TOKENS
+
+
+def offload_a_prompt(engine) -> tuple[object, dict[str, list[torch.Tensor]]]:
+    """Engine A serves the prompt, writes its KV and offloads it; returns the request and its full pages' bytes."""
+    ctx = request()
+    serve_prompt(engine, ctx, write_kv=True)
+    wait_offloaded(engine, FULL_PAGES)
+    written = {leaf: [rows[:FULL_PAGES].clone() for rows in shards] for leaf, shards in device_rows(engine, ctx).items()}
+    return ctx, written
+
+
+def load_the_prompt(engine, written: dict[str, list[torch.Tensor]], hint: bytes | None = None):
+    """Engine B admits the same prompt, which MAX loads through the connector; its rows must hold ``written``."""
+    ctx = request(hint=hint)
+    engine.claim(ctx)
+    engine.alloc(ctx)
+    drain(engine)
+    metrics = engine.take_metrics_aggregated()
+    assert metrics.cache_tokens == FULL_PAGES * PAGE_TOKENS, "engine B must take the whole prefix from dKV"
+    assert metrics.h2d_bytes_copied > 0 and metrics.connector_load_failures == 0
+    loaded = device_rows(engine, ctx)
+    for leaf, shards in written.items():
+        for shard, rows in enumerate(shards):
+            assert torch.equal(loaded[leaf][shard][:FULL_PAGES], rows), f"{leaf} shard {shard}: bytes differ"
+    return ctx, metrics
+
+
 def test_max_manager_loads_the_prefix_another_manager_offloaded_and_holds_its_exact_bytes(max_kv, node) -> None:
     engine_a, engine_b = max_manager(node.address), max_manager(node.address)
     try:
         assert isinstance(engine_a._connector, DKVConnector)  # noqa: SLF001 - built by MAX's own factory call
-        first = request()
-        serve_prompt(engine_a, first, write_kv=True)
-        full_pages = PROMPT_TOKENS // PAGE_TOKENS
-        wait_offloaded(engine_a, full_pages)
-        written = {leaf: [rows[:full_pages].clone() for rows in shards]
-                   for leaf, shards in device_rows(engine_a, first).items()}
-
-        second = request()
-        engine_b.claim(second)
-        engine_b.alloc(second)
-        drain(engine_b)
-        metrics = engine_b.take_metrics_aggregated()
-        assert metrics.cache_tokens == full_pages * PAGE_TOKENS, "engine B must take the whole prefix from dKV"
-        assert metrics.h2d_bytes_copied > 0 and metrics.connector_load_failures == 0
-        loaded = device_rows(engine_b, second)
-        for leaf, shards in written.items():
-            for shard, rows in enumerate(shards):
-                assert torch.equal(loaded[leaf][shard][:full_pages], rows), f"{leaf} shard {shard}: bytes differ"
+        first, written = offload_a_prompt(engine_a)
+        second, metrics = load_the_prompt(engine_b, written)
+        assert metrics.dkv_peer_loads == 0
         engine_a.release(first)
         engine_b.release(second)
     finally:
@@ -211,32 +224,17 @@ def test_max_manager_loads_from_the_peer_its_hint_names_bit_exact(max_kv, etcd, 
     monkeypatch.setenv("DKV_ETCD_PREFIX", etcd.prefix)
     engine_a, engine_b = max_manager(a.address), max_manager(b.address)
     try:
-        first = request()
-        serve_prompt(engine_a, first, write_kv=True)
-        full_pages = PROMPT_TOKENS // PAGE_TOKENS
-        wait_offloaded(engine_a, full_pages)
-        written = {leaf: [rows[:full_pages].clone() for rows in shards]
-                   for leaf, shards in device_rows(engine_a, first).items()}
-
+        first, written = offload_a_prompt(engine_a)
         connector_b = engine_b._connector  # noqa: SLF001
         hashes = compute_block_hashes(request(), [], PAGE_TOKENS, engine_b.params.kv_hash_algo,
                                       engine_b.params.kv_hash_seed)
         deadline = time.monotonic() + 30
-        while (route := connector_b._router.route(connector_b.namespace, hashes)).depth < full_pages:
+        while (route := connector_b._router.route(connector_b.namespace, hashes)).depth < FULL_PAGES:
             assert time.monotonic() < deadline, "the directory never showed engine A's blocks"
             time.sleep(0.05)
         assert route.peer is not None and route.peer.node_id == "a"
-
-        second = request(hint=route.hint.encode())
-        engine_b.claim(second)
-        engine_b.alloc(second)
-        drain(engine_b)
-        metrics = engine_b.take_metrics_aggregated()
-        assert metrics.cache_tokens == full_pages * PAGE_TOKENS and metrics.dkv_peer_loads == 1
-        loaded = device_rows(engine_b, second)
-        for leaf, shards in written.items():
-            for shard, rows in enumerate(shards):
-                assert torch.equal(loaded[leaf][shard][:full_pages], rows), f"{leaf} shard {shard}: bytes differ"
+        second, metrics = load_the_prompt(engine_b, written, hint=route.hint.encode())
+        assert metrics.dkv_peer_loads == 1
         engine_a.release(first)
         engine_b.release(second)
     finally:
