@@ -226,7 +226,6 @@ class DKVConnector:
         self._leaves = dict(leaves)
         self._validate_blocks(device_blocks)
         self._blocks = [dict(replica) for replica in device_blocks]
-        self._pages = [{leaf: shards[0].shape[0] for leaf, shards in replica.items()} for replica in self._blocks]
         self.namespace = check_namespace(namespace)
         self.node_address = node
         self.timeout = timeout
@@ -644,6 +643,7 @@ class DKVConnector:
                     setattr(self._metrics, name, getattr(self._metrics, name) + n)
 
     def _count_unusable_hint(self, reason: str) -> None:
+        """A hint that cannot be used: a miss, counted by reason (in MAX's dKV metrics too)."""
         self.counters.unusable_hints[reason] += 1
         self._add_metrics(dkv_hints_rejected=1)
         with self._metrics_lock:
