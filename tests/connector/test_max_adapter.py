@@ -204,7 +204,14 @@ def load_the_prompt(engine, written: dict[str, list[torch.Tensor]], hint: bytes 
 def test_max_manager_loads_the_prefix_another_manager_offloaded_and_holds_its_exact_bytes(max_kv, node) -> None:
     engine_a, engine_b = max_manager(node.address), max_manager(node.address)
     try:
-        assert isinstance(engine_a._connector, DKVConnector)  # noqa: SLF001 - built by MAX's own factory call
+        from max.nn.kv_cache.metrics import KVCacheMetrics
+        from max.pipelines.kv_cache import ByteCount
+        from max.pipelines.kv_cache.kv_connector import KVConnector
+
+        connector = engine_a._connector  # noqa: SLF001 - built by MAX's own factory call
+        assert isinstance(connector, DKVConnector) and isinstance(connector, KVConnector)
+        assert type(connector.take_metrics()) is KVCacheMetrics and type(connector.metrics) is KVCacheMetrics
+        assert type(connector.host_byte_count) is ByteCount and type(engine_a.disk_byte_count()) is ByteCount
         first, written = offload_a_prompt(engine_a)
         second, metrics = load_the_prompt(engine_b, written)
         assert metrics.dkv_peer_loads == 0
