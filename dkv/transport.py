@@ -77,6 +77,10 @@ async def stop_progress() -> None:
     notifier threads are stopped, so the interpreter can exit.
     """
     global _initialised
+    orphans = list(_orphaned_handshakes)  # UCX goes down with them, so nothing of theirs lands later
+    for handshake in orphans:
+        handshake.cancel()
+    await asyncio.gather(*orphans, return_exceptions=True)
     task = ProgressTasks.pop(asyncio.get_running_loop(), None)
     pending = [t for t in getattr(task, "_tasks", ()) if t is not None]
     for t in pending:
@@ -206,14 +210,52 @@ def _nbytes(buffer: Any) -> int:
     return memoryview(buffer).nbytes if not hasattr(buffer, "nbytes") else int(buffer.nbytes)
 
 
+# ucxx's handshake posts a stream receive into a buffer of its own and, when its own
+# connect_timeout fires or the coroutine is cancelled, returns without cancelling that
+# receive: a peer that answers late then writes into freed memory. So the handshake is
+# never timed out or cancelled: it runs as a task of its own with an unreachable timeout,
+# the caller's bound is enforced around it, and a handshake that outlives its caller is
+# kept (with its buffers) until it ends; an endpoint it then yields is aborted at once.
+HANDSHAKE_NEVER_TIMES_OUT = 1e9
+_orphaned_handshakes: set[asyncio.Future[Any]] = set()
+
+
+def orphaned_handshakes() -> int:
+    """Handshakes still running after their caller gave up (each holds a few bytes and one endpoint)."""
+    return len(_orphaned_handshakes)
+
+
+def _orphan(handshake: asyncio.Future[Any]) -> None:
+    def reap(done: asyncio.Future[Any]) -> None:
+        _orphaned_handshakes.discard(done)
+        if done.cancelled() or done.exception() is not None:
+            return
+        try:
+            done.result().abort(period=CLOSE_PERIOD_NS)
+        except Exception as exc:  # noqa: BLE001 - closing must not raise
+            log.debug("abort of a late endpoint: %s", exc)
+
+    if handshake.done():
+        reap(handshake)
+        return
+    _orphaned_handshakes.add(handshake)
+    handshake.add_done_callback(reap)
+
+
 async def connect(host: str, port: int, timeout: float = CONNECT_TIMEOUT) -> Connection:
-    """Open a listener-path endpoint to ``host:port`` (peer-failure detection on)."""
+    """Open a listener-path endpoint to ``host:port`` (peer-failure detection on) within ``timeout``."""
     init_transport()
+    handshake = asyncio.ensure_future(
+        ucxx.create_endpoint(host, port, endpoint_error_handling=True, connect_timeout=HANDSHAKE_NEVER_TIMES_OUT))
     try:
         async with asyncio.timeout(timeout):
-            endpoint = await ucxx.create_endpoint(host, port, endpoint_error_handling=True, connect_timeout=timeout)
+            endpoint = await asyncio.shield(handshake)
     except TimeoutError as exc:
+        _orphan(handshake)
         raise OpTimeout(f"connect to {host}:{port} timed out after {timeout:.1f}s") from exc
+    except asyncio.CancelledError:
+        _orphan(handshake)
+        raise
     except Exception as exc:
         raise TransportError(f"cannot connect to {host}:{port}: {type(exc).__name__}: {exc}") from exc
     return Connection(endpoint, f"{host}:{port}")
@@ -234,8 +276,12 @@ class Listener:
             self._count += 1
             await handler(Connection(endpoint, f"client#{self._count}"))
 
+        # the accepting side of the handshake has the same flaw as the connecting side (see
+        # HANDSHAKE_NEVER_TIMES_OUT): a client that stalls it and then goes on would write into
+        # freed memory of the node. It is never timed out; a stalled one ends when the client
+        # completes it or its endpoint fails (the client died).
         self._listener = ucxx.create_listener(_accept, port=port, endpoint_error_handling=True,
-                                              connect_timeout=CONNECT_TIMEOUT)
+                                              connect_timeout=HANDSHAKE_NEVER_TIMES_OUT)
         self.port: int = self._listener.port
 
     def close(self) -> None:
