@@ -55,9 +55,9 @@ from connector.types import (
     LeafSpec,
 )
 from dkv.client import NodeClient
-from dkv.errors import DKVError
+from dkv.errors import DKVError, TransportError
 from dkv.etcd import DEFAULT_CLUSTER, DEFAULT_PREFIX, Layout, MemberRecord, make_client
-from dkv.hints import UNKNOWN_PEER, UnusableHint, resolve_hint
+from dkv.hints import PEER_UNREACHABLE, UNKNOWN_PEER, UnusableHint, resolve_hint
 from dkv.keys import check_hashes, check_namespace
 from dkv.loop_thread import acquire_shared_loop, release_shared_loop
 from dkv.router import Router
@@ -68,6 +68,7 @@ Masks = dict[str, list[bool]]
 LEASE_MARGIN = 0.5  # seconds: a lease closer than this to expiry is not loaded from
 HANDLE_GROUPS = (1024, 1 << 20)  # node lease groups for start_lookup handles
 STATS_INTERVAL = 1.0
+UNREACHABLE_BACKOFF = 10.0  # seconds a node that failed to answer a lookup or a load is not asked again
 
 
 @dataclass
@@ -184,6 +185,7 @@ class ConnectorCounters:
 
     lookups: int = 0
     lookup_failures: int = 0
+    lookups_skipped: int = 0  # the co-located node failed to answer recently: a miss without asking
     blocks_reported: int = 0
     hits_local: int = 0
     hits_peer: int = 0
@@ -239,6 +241,7 @@ class DKVConnector:
         self._host_bytes = ByteCount(free=0, total=0)
         self._disk_bytes = ByteCount(free=0, total=0)
         self._last_lookup: dict[int, _LeaseState] = {}
+        self._unreachable: dict[str, tuple[str | None, float]] = {}  # address -> (its epoch, backoff end)
         self._transfers: list[_Transfer] = []
         self._handle_groups = itertools.cycle(range(*HANDLE_GROUPS))
         self._clients: dict[str, NodeClient] = {}
@@ -339,7 +342,41 @@ class DKVConnector:
             return self.node_address, False
         if member is None or member.node_id == self.node_id:
             return self.node_address, False
+        if self._backing_off(member.address, member.epoch):
+            self._count_unusable_hint(PEER_UNREACHABLE)
+            return self.node_address, False
         return member.address, True
+
+    def _backing_off(self, address: str, epoch: str | None = None) -> bool:
+        """True while ``address`` is marked unreachable (a peer that re-registered, new epoch, is asked again)."""
+        mark = self._unreachable.get(address)
+        if mark is None:
+            return False
+        marked_epoch, until = mark
+        if time.monotonic() < until and (epoch is None or epoch == marked_epoch):
+            return True
+        self._unreachable.pop(address, None)
+        return False
+
+    def _unanswered(self, address: str, exc: BaseException) -> None:
+        """A node did not answer a lookup or a load (transport failure or timeout): leave it alone a while.
+
+        A dead or hung node then costs one bounded wait, not one per request:
+        for ``UNREACHABLE_BACKOFF`` seconds hints naming it are misses counted
+        as ``peer_unreachable`` (unless it re-registers with a new epoch), and
+        a co-located node that does not answer makes lookups immediate misses
+        (``lookups_skipped``).
+        """
+        if self._closed or not isinstance(exc, (TransportError, TimeoutError, OSError)):
+            return  # an error reply (an expired lease, say) is an answer
+        epoch = None
+        if self._router is not None:
+            epoch = next((m.epoch for m in self._router.members.values() if m.address == address), None)
+        self._unreachable[address] = (epoch, time.monotonic() + UNREACHABLE_BACKOFF)
+        if address != self.node_address:
+            self._add_metrics(dkv_peer_attach_failures=1)
+        log.warning("node %s did not answer (%s); not asking it again for %.0f s", address, exc,
+                    UNREACHABLE_BACKOFF)
 
     # ---- lookups ------------------------------------------------------------------------------
 
@@ -379,11 +416,14 @@ class DKVConnector:
         previous = self._last_lookup.pop(replica_idx, None)
         if previous is not None and previous.address != address:
             self._release(previous)
+        if self._backing_off(address):
+            self.counters.lookups_skipped += 1
+            return self._empty_masks(len(hashes))
         state: _LeaseState | None
         try:
             state = self._loop.run(self._lookup_on(address, hashes, replica_idx, peer, hint), self.timeout + 1)
         except Exception as exc:  # noqa: BLE001 - a dead or slow node costs a miss
-            log.info("lookup on %s failed: %s", address, exc)
+            self._unanswered(address, exc)
             state = None
         self._count_lookup(state)
         if state is None:
@@ -402,17 +442,23 @@ class DKVConnector:
         async def run() -> _LeaseState | None:
             try:
                 state = await self._lookup_on(address, hashes, group, peer, hint)
-            except Exception as exc:  # noqa: BLE001
-                log.info("lookup on %s failed: %s", address, exc)
+            except Exception as exc:  # noqa: BLE001 - a dead or slow node costs a miss
+                self._unanswered(address, exc)
                 state = None
             self._count_lookup(state)
             return state
 
-        try:
-            future = self._submit(run())
-        except RuntimeError:
+        future: concurrent.futures.Future[_LeaseState | None]
+        if self._backing_off(address):
+            self.counters.lookups_skipped += 1
             future = concurrent.futures.Future()
             future.set_result(None)
+        else:
+            try:
+                future = self._submit(run())
+            except RuntimeError:
+                future = concurrent.futures.Future()
+                future.set_result(None)
         handle = DKVLookup(hashes, replica_idx, hint, group, future)
         handle._leaves = list(self._leaves)
         return handle
@@ -540,10 +586,11 @@ class DKVConnector:
         targets, finish = self._copy[plan.device].load_targets(rows)
         try:
             await self._client(state.address).read(state.lease_id, keys, targets)  # type: ignore[arg-type]
-        except Exception:
+        except Exception as exc:
             self.counters.loads_failed += 1
             if state.peer:
                 self._add_metrics(dkv_peer_load_failures=1)
+            self._unanswered(state.address, exc)
             raise
         self.counters.blocks_loaded += len(keys)
         self._add_metrics(h2d_bytes_copied=plan.nbytes, dkv_peer_loads=int(state.peer))

@@ -50,6 +50,9 @@ STALE_EPOCH = "stale_epoch"
 WRONG_NAMESPACE = "wrong_namespace"
 MISMATCH = "mismatch"
 REASONS = (UNPARSEABLE, UNKNOWN_VERSION, UNKNOWN_PEER, STALE_EPOCH, WRONG_NAMESPACE, MISMATCH)
+# Not the hint's fault, so not among REASONS: a usable hint names a peer that recently failed to
+# answer, and the connector serves it as a miss rather than wait on that peer again.
+PEER_UNREACHABLE = "peer_unreachable"
 
 
 class UnusableHint(Exception):

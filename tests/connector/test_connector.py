@@ -280,7 +280,60 @@ def test_peer_killed_before_lookup_costs_a_miss_not_an_error(node_factory, conne
     assert answered(handle) == {"full": [False, False], "swa": [False, False]}
     with pytest.raises(KVLoadRefused):
         conn.load_lookup(handle, {"full": [1]}, {"full": [handle.block_hashes[0]]})
-    assert conn.counters.lookup_failures == 2
+    assert conn.counters.lookup_failures == 1, "the node that did not answer is asked once"
+    assert conn.counters.lookups_skipped == 1, "then lookups are misses without a wait until the backoff ends"
+
+
+def test_a_colocated_node_that_stops_answering_costs_one_bounded_wait_not_one_per_lookup(node_factory,
+                                                                                          connectors) -> None:
+    node = node_factory()
+    conn = connectors(node.address, timeout=2.0)
+    blocks = conn._blocks  # noqa: SLF001 - the connector's own device rows
+    hashes = chain(2)
+    offload_chain(conn, blocks, hashes)
+    node.pause()
+    try:
+        assert conn.lookup(hashes) == {"full": [False, False], "swa": [False, False]}
+        assert conn.counters.lookup_failures == 1
+        for _ in range(3):  # a scheduler thread calling lookup() synchronously is not held up again
+            assert conn.lookup(hashes) == {"full": [False, False], "swa": [False, False]}
+            assert answered(conn.start_lookup(hashes)) == {"full": [False, False], "swa": [False, False]}
+        assert conn.counters.lookup_failures == 1 and conn.counters.lookups_skipped == 6
+    finally:
+        node.resume()
+    conn._unreachable.clear()  # noqa: SLF001 - end the backoff early: the node answers again
+    assert conn.lookup(hashes) == {"full": [True, True], "swa": [True, True]}
+    conn.abandon_lookup(conn.start_lookup([]))
+
+
+def test_a_hinted_peer_that_stops_answering_is_a_counted_miss_until_it_answers_again(etcd, node_factory,
+                                                                                     connectors) -> None:
+    a = node_factory(*etcd.node_args("a"))
+    b = node_factory(*etcd.node_args("b", ttl=60))  # stays a member while paused
+    cluster = {"etcd": etcd.url, "etcd_prefix": etcd.prefix, "timeout": 2.0}
+    writer = connectors(b.address, **cluster)
+    hashes = chain(2)
+    offload_chain(writer, writer._blocks, hashes)  # noqa: SLF001
+    reader = connectors(a.address, **cluster)
+    deadline = time.monotonic() + BOUND
+    while (route := reader._router.route(reader.namespace, hashes)).depth < 2:  # noqa: SLF001
+        assert time.monotonic() < deadline, "the directory never showed b's blocks"
+        time.sleep(0.05)
+    hint = route.hint.encode()
+    b.pause()
+    try:
+        assert reader.lookup(hashes, hint=hint) == {"full": [False, False], "swa": [False, False]}
+        assert reader.counters.lookup_failures == 1
+        handle = reader.start_lookup(hashes, hint=hint)  # served by the co-located node, which lacks them
+        assert answered(handle) == {"full": [False, False], "swa": [False, False]}
+        reader.abandon_lookup(handle)
+        assert reader.counters.unusable_hints["peer_unreachable"] == 1
+        assert reader.counters.lookup_failures == 1, "the hung peer was not asked again"
+    finally:
+        b.resume()
+    reader._unreachable.clear()  # noqa: SLF001 - end the backoff early: the peer answers again
+    assert reader.lookup(hashes, hint=hint) == {"full": [True, True], "swa": [True, True]}
+    reader.abandon_lookup(reader.start_lookup([]))
 
 
 # ---- offloads -----------------------------------------------------------------------------------
