@@ -92,15 +92,22 @@ def start_node(
     workdir: Path | None = None,
     env: dict[str, str] | None = None,
     ready_timeout: float = READY_TIMEOUT,
+    exit_with_parent: bool = False,
 ) -> NodeProcess:
-    """Start ``dkv serve`` with the given extra arguments and wait until it serves."""
+    """Start ``dkv serve`` with the given extra arguments and wait until it serves.
+
+    ``exit_with_parent``: the node stops by itself once this process has exited,
+    however it died (test runs and benchmarks, so that none of their nodes
+    outlives them); a cluster's nodes are started without it, to outlive the
+    command that started them.
+    """
     workdir = Path(workdir or tempfile.mkdtemp(prefix="dkv-node-"))
     workdir.mkdir(parents=True, exist_ok=True)
     ready_file = workdir / "ready.json"
     ready_file.unlink(missing_ok=True)
     log_path = workdir / "node.log"
     cmd = [sys.executable, "-m", "dkv.cli", "serve", "--listen", listen, "--pool", pool,
-           "--ready-file", str(ready_file), *args]
+           "--ready-file", str(ready_file), *(("--exit-with-parent",) if exit_with_parent else ()), *args]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env={**os.environ, **(env or {})})

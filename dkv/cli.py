@@ -65,6 +65,7 @@ def serve(
     etcd_ttl: Annotated[int, typer.Option(help="Seconds a dead node's membership and entries outlive it.")] = 10,
     publish_every: Annotated[int, typer.Option(help="Announce every k-th block of an offloaded run plus its last (1 = all).")] = 1,
     ready_file: Annotated[Optional[Path], typer.Option(help="Write a JSON line with the bound address here once serving.")] = None,
+    exit_with_parent: Annotated[bool, typer.Option(help="Stop (gracefully) once the process that started this node has exited.")] = False,
     log_level: Annotated[str, typer.Option(help="Logging level.")] = "INFO",
 ) -> None:
     """Run a dKV node until SIGTERM or SIGINT (graceful: nothing is left behind)."""
@@ -93,12 +94,23 @@ def serve(
                 raise ConfigError("--etcd needs --node-id: the cluster knows a node by its id")
             cluster_config = ClusterConfig(etcd=etcd, cluster=cluster, prefix=etcd_prefix, ttl=etcd_ttl,
                                            publish_every=publish_every)
-        asyncio.run(_serve(config, cluster_config, ready_file))
+        asyncio.run(_serve(config, cluster_config, ready_file, exit_with_parent))
     except (DKVError, ValueError) as exc:
         fail(str(exc))
 
 
-async def _serve(config: Any, cluster_config: Any, ready_file: Path | None) -> None:
+PARENT_CHECK_INTERVAL = 1.0
+
+
+async def _when_parent_exits(parent: int, stop: asyncio.Event) -> None:
+    """Set ``stop`` once this process is no longer ``parent``'s child (the parent exited, however it died)."""
+    while os.getppid() == parent:
+        await asyncio.sleep(PARENT_CHECK_INTERVAL)
+    logging.getLogger(__name__).warning("the process that started this node (pid %d) exited: stopping", parent)
+    stop.set()
+
+
+async def _serve(config: Any, cluster_config: Any, ready_file: Path | None, exit_with_parent: bool = False) -> None:
     from dkv.server import NodeServer
 
     server = NodeServer(config, cluster_config)
@@ -106,6 +118,7 @@ async def _serve(config: Any, cluster_config: Any, ready_file: Path | None) -> N
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    watch = asyncio.create_task(_when_parent_exits(os.getppid(), stop)) if exit_with_parent else None
     try:
         await server.start()
         ready = {"address": server.address, "port": server.port, "node_id": config.node_id,
@@ -119,6 +132,9 @@ async def _serve(config: Any, cluster_config: Any, ready_file: Path | None) -> N
               f"(pool {format_size(server.arena.size)}, shm {server.arena.shm_name})", flush=True)
         await stop.wait()
     finally:
+        if watch is not None:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
         await server.stop()
         if ready_file is not None:
             ready_file.unlink(missing_ok=True)

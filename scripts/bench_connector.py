@@ -280,7 +280,7 @@ class Cluster:
             log(f"starting node {node_id} (pool {format_size(pool)})")
             self.nodes[node_id] = start_node(
                 "--etcd", self.etcd.url, "--etcd-prefix", self.prefix, "--node-id", node_id, "--log-level", "WARNING",
-                pool=str(pool), listen="127.0.0.1:0", workdir=self.workdir / f"node-{node_id}")
+                pool=str(pool), listen="127.0.0.1:0", workdir=self.workdir / f"node-{node_id}", exit_with_parent=True)
 
     def address(self, node_id: str) -> str:
         return str(self.nodes[node_id].address)

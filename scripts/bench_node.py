@@ -399,7 +399,8 @@ async def run_all(procs: Processes, sizes: list[int], blocks: int, runs: int, wa
         procs.child = RawChild(procs.workdir)
         raw = await connect("127.0.0.1", procs.child.port)
         log(f"starting the node (pool {format_size(pool)})")
-        procs.node = start_node(pool=str(pool), listen="127.0.0.1:0", workdir=procs.workdir / "node")
+        procs.node = start_node(pool=str(pool), listen="127.0.0.1:0", workdir=procs.workdir / "node",
+                                exit_with_parent=True)
         for name in ("local", "listener"):
             client = NodeClient(procs.node.address, NAMESPACE, local=name == "local", timeout=OP_TIMEOUT,
                                 pool_size=1, retries=1)

@@ -114,7 +114,7 @@ def main() -> int:
     args = parser.parse_args()
     device, page = torch.device(args.device), parse_size(args.page)
     pool = 4 * args.blocks * page + (64 << 20)
-    node = start_node(pool=str(pool))
+    node = start_node(pool=str(pool), exit_with_parent=True)
     loop = acquire_shared_loop()
     try:
         client = NodeClient(node.address, "check/stats")

@@ -143,7 +143,7 @@ async def node_factory(tmp_path: Path) -> AsyncIterator[Callable[..., NodeProces
         if token is not None:
             (workdir / "token").write_bytes(token)
             args = (*args, "--token-file", str(workdir / "token"))
-        node = start_node(*args, workdir=workdir, **kwargs)
+        node = start_node(*args, workdir=workdir, exit_with_parent=True, **kwargs)
         node.ready["test_token"] = token
         started.append(node)
         return node

@@ -44,7 +44,7 @@ def test_bad_pool_size_is_a_clear_error() -> None:
 def test_sigterm_is_a_graceful_shutdown_that_leaves_nothing(tmp_path) -> None:
     spill = tmp_path / "spill"
     spill.mkdir()
-    node = start_node("--disk", str(spill), "--disk-size", "1MiB", workdir=tmp_path / "n")
+    node = start_node("--disk", str(spill), "--disk-size", "1MiB", workdir=tmp_path / "n", exit_with_parent=True)
     shm = f"/dev/shm/{node.shm_name}"
     assert os.path.exists(shm) and os.listdir(spill)
     assert node.stop() == 0

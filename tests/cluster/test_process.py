@@ -1,0 +1,54 @@
+"""Node processes: a node started with ``exit_with_parent`` never outlives the process that started it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+BOUND = 60.0
+
+PARENT = """
+import json, sys, time
+from cluster.process import start_node
+node = start_node(pool="16MiB", exit_with_parent=True)
+print(json.dumps({"pid": node.pid, "shm": node.ready["shm"]}), flush=True)
+time.sleep(600)
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def test_a_node_started_with_exit_with_parent_stops_gracefully_when_its_starter_is_killed() -> None:
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    node_pid = None
+    try:
+        line = parent.stdout.readline()  # the starter prints once its node serves
+        started = json.loads(line)
+        node_pid = started["pid"]
+        assert _running(node_pid)
+        parent.send_signal(signal.SIGKILL)  # no chance to stop its node
+        parent.wait(BOUND)
+        deadline = time.monotonic() + BOUND
+        while _running(node_pid):
+            assert time.monotonic() < deadline, "the node outlived the process that started it"
+            time.sleep(0.1)
+        assert not Path("/dev/shm", started["shm"]).exists(), "the node stopped gracefully: its arena is gone"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait(BOUND)
+        if node_pid is not None and _running(node_pid):
+            os.kill(node_pid, signal.SIGKILL)
