@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -43,3 +44,17 @@ def connectors(node_factory) -> Iterator[Callable[..., DKVConnector]]:
     yield make
     for conn in made:
         conn.shutdown()
+
+
+def routed_hint(conn: DKVConnector, hashes: Sequence[bytes], *, holder: str | None = None, depth: int | None = None,
+                bound: float = 30.0) -> bytes:
+    """The hint once ``conn``'s router routes ``depth`` (default: all) of ``hashes`` to a peer (``holder``, if named)."""
+    assert conn._router is not None  # noqa: SLF001 - the connector's own directory index
+    want = len(hashes) if depth is None else depth
+    deadline = time.monotonic() + bound
+    while True:
+        route = conn._router.route(conn.namespace, hashes)  # noqa: SLF001
+        if route.peer is not None and route.depth >= want and holder in (None, route.peer.node_id):
+            return route.hint.encode()
+        assert time.monotonic() < deadline, f"the router never routed {want} blocks to {holder or 'a peer'}"
+        time.sleep(0.05)

@@ -17,7 +17,7 @@ from connector.types import ByteCount, CompletedTransfer, KVLoadFailed, KVLoadRe
 from dkv.hints import MISMATCH, STALE_EPOCH, UNKNOWN_PEER, UNKNOWN_VERSION, UNPARSEABLE, WRONG_NAMESPACE
 from dkv.keys import BlockKey
 from tests.conftest import node_stats, wait_for_stats
-from tests.connector.conftest import NAMESPACE, PAGE_BYTES, device_blocks, two_leaves
+from tests.connector.conftest import NAMESPACE, PAGE_BYTES, device_blocks, routed_hint, two_leaves
 
 BOUND = 20.0
 
@@ -315,11 +315,7 @@ def test_a_hinted_peer_that_stops_answering_is_a_counted_miss_until_it_answers_a
     hashes = chain(2)
     offload_chain(writer, writer._blocks, hashes)  # noqa: SLF001
     reader = connectors(a.address, **cluster)
-    deadline = time.monotonic() + BOUND
-    while (route := reader._router.route(reader.namespace, hashes)).depth < 2:  # noqa: SLF001
-        assert time.monotonic() < deadline, "the directory never showed b's blocks"
-        time.sleep(0.05)
-    hint = route.hint.encode()
+    hint = routed_hint(reader, hashes, holder="b")
     b.pause()
     try:
         assert reader.lookup(hashes, hint=hint) == {"full": [False, False], "swa": [False, False]}
@@ -409,17 +405,6 @@ def _cluster(etcd, node_factory, *ids: str):
     return [node_factory(*etcd.node_args(i)) for i in ids]
 
 
-def _route_hint(conn: DKVConnector, hashes: list[bytes]) -> bytes:
-    assert conn._router is not None
-    deadline = time.monotonic() + BOUND
-    while True:
-        route = conn._router.route(NAMESPACE, hashes)
-        if route.peer is not None and route.depth == len(hashes):
-            return route.hint.encode()
-        assert time.monotonic() < deadline, "the router never saw the offloaded chain"
-        time.sleep(0.05)
-
-
 def _etcd_kwargs(etcd) -> dict:
     return {"etcd": etcd.url, "etcd_prefix": etcd.prefix}
 
@@ -432,7 +417,7 @@ def test_a_hint_naming_a_peer_loads_that_peers_blocks_bit_exact(etcd, node_facto
     offload_chain(engine_a, src, hashes)
     dst = device_blocks(two_leaves())
     engine_b = connectors(b.address, blocks=dst, **_etcd_kwargs(etcd))
-    hint = _route_hint(engine_b, hashes)
+    hint = routed_hint(engine_b, hashes)
     assert json.loads(hint)["actions"][0]["payload"]["dkv"]["peer_id"] == "a"
     assert engine_b.lookup(hashes) == {"full": [False] * 5, "swa": [False] * 5}, "without the hint: co-located only"
     handle = engine_b.start_lookup(hashes, hint=hint)
@@ -448,7 +433,7 @@ def test_unusable_hints_are_counted_misses_by_reason_never_exceptions(etcd, node
     conn = connectors(a.address, blocks=blocks, **_etcd_kwargs(etcd))
     hashes = chain(3)
     offload_chain(conn, blocks, hashes)
-    good = json.loads(_route_hint(conn, hashes))
+    good = json.loads(routed_hint(conn, hashes))
 
     def variant(mutate: Callable[[dict], None]) -> bytes:
         doc = json.loads(json.dumps(good))
@@ -485,7 +470,7 @@ async def test_probe_answers_every_replica_from_the_index_without_leases(etcd, n
     conn = connectors(a.address, leaves=leaves, blocks=blocks, **_etcd_kwargs(etcd))
     hashes = chain(4)
     offload_chain(conn, blocks, hashes[:3])
-    _route_hint(conn, hashes[:3])
+    routed_hint(conn, hashes[:3])
     answers = conn.probe(hashes, [0, 1])
     assert answers is not None and len(answers) == 2
     for answer in answers:

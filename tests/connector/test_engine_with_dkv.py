@@ -13,6 +13,7 @@ from connector.dkv_connector import DKVConnector
 from connector.engine.engine import Engine, GenerationResult
 from connector.engine.hashing import block_hashes
 from connector.engine.model import ModelConfig
+from tests.connector.conftest import routed_hint
 
 MODEL = ModelConfig(n_layers=4, window_layers=(1, 3), sliding_window=8, seed=11)
 PROMPT = [(7 * i + 3) % MODEL.vocab for i in range(37)]  # 9 full blocks of 4 and a tail
@@ -64,12 +65,7 @@ def test_kv_loaded_from_a_peer_named_by_the_hint_is_bit_exact(etcd, node_factory
     engine_b = make_engine(connectors, b.address, **cluster)
     conn_b = engine_b.connector
     hashes = block_hashes(PROMPT, 4)
-    deadline = time.monotonic() + 20
-    while (route := conn_b._router.route(conn_b.namespace, hashes)).depth < len(hashes):
-        assert time.monotonic() < deadline, "the router never saw engine A's blocks"
-        time.sleep(0.05)
-    assert route.peer is not None and route.peer.node_id == "a"
-    loaded = engine_b.generate(PROMPT, NEW_TOKENS, hint=route.hint.encode())
+    loaded = engine_b.generate(PROMPT, NEW_TOKENS, hint=routed_hint(conn_b, hashes, holder="a"))
     assert loaded.stats.connector_hit_blocks > 0
     assert conn_b.counters.hits_peer >= 1
     assert_bit_exact(loaded, engine_b.recompute_reference(PROMPT, NEW_TOKENS))

@@ -14,6 +14,7 @@ import torch
 
 from connector.dkv_connector import DKVConnector
 from connector.max_adapter import create_connector, namespace_for, view_buffer
+from tests.connector.conftest import routed_hint
 
 
 @dataclass
@@ -235,12 +236,8 @@ def test_max_manager_loads_from_the_peer_its_hint_names_bit_exact(max_kv, etcd, 
         connector_b = engine_b._connector  # noqa: SLF001
         hashes = compute_block_hashes(request(), [], PAGE_TOKENS, engine_b.params.kv_hash_algo,
                                       engine_b.params.kv_hash_seed)
-        deadline = time.monotonic() + 30
-        while (route := connector_b._router.route(connector_b.namespace, hashes)).depth < FULL_PAGES:
-            assert time.monotonic() < deadline, "the directory never showed engine A's blocks"
-            time.sleep(0.05)
-        assert route.peer is not None and route.peer.node_id == "a"
-        second, metrics = load_the_prompt(engine_b, written, hint=route.hint.encode())
+        hint = routed_hint(connector_b, hashes, holder="a", depth=FULL_PAGES)
+        second, metrics = load_the_prompt(engine_b, written, hint=hint)
         assert metrics.dkv_peer_loads == 1
         engine_a.release(first)
         engine_b.release(second)
