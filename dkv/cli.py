@@ -59,6 +59,7 @@ def serve(
     namespace: Annotated[Optional[list[str]], typer.Option(help="Serve only these namespaces (repeatable; default: any).")] = None,
     lease_ttl: Annotated[float, typer.Option(help="Seconds a lookup's lease pins its blocks.")] = 10.0,
     max_leases: Annotated[int, typer.Option(help="Leases one client may hold; one more ends its oldest.")] = 64,
+    read_ttl: Annotated[float, typer.Option(help="Seconds a read's own pins may last (a same-host copy that takes longer is failed).")] = 30.0,
     etcd: Annotated[Optional[str], typer.Option(help="etcd endpoints URL[,URL...]: join a cluster (membership + directory).")] = None,
     cluster: Annotated[str, typer.Option(help="Cluster name (etcd keys live under PREFIX/CLUSTER/).")] = "default",
     etcd_prefix: Annotated[str, typer.Option(help="etcd key prefix.")] = "/dkv",
@@ -84,6 +85,7 @@ def serve(
             disk_size=parse_size(disk_size),
             lease_ttl=lease_ttl,
             max_leases_per_client=max_leases,
+            read_ttl=read_ttl,
             **({"node_id": node_id} if node_id else {}),
         )
         cluster_config = None

@@ -1,20 +1,46 @@
 """Optional disk tier: blocks evicted from the host pool spill here, and hits are read back.
 
-One file per block under a directory the node owns (created at start, emptied
-at shutdown). A byte cap bounds it; when full, the oldest spilled block goes
-first. Off by default. Files are written to a temporary name and renamed, so a
-crash never leaves a half-written block that could be read back.
+One file per spilled block under a directory the node owns (created at start,
+emptied at shutdown). A byte cap bounds it. Files are written to a temporary
+name and renamed, so a crash never leaves a half-written block that could be
+read back. Every file gets a fresh name, so a late write, read or unlink of a
+block's old file can never touch a newer file of the same block.
+
+The tier has two halves for two threads (DESIGN §6: the store decides, the
+server moves):
+
+* **Accounting** — :meth:`DiskTier.allocate`, :meth:`~DiskTier.admit`,
+  :meth:`~DiskTier.detach`, :meth:`~DiskTier.release`,
+  :meth:`~DiskTier.remove`, :meth:`~DiskTier.oldest`,
+  :meth:`~DiskTier.take_garbage` — runs on the node's event-loop thread and
+  does no I/O. Space is reserved when a spill is planned, before its file is
+  written, so ``used`` never exceeds ``capacity``; released files are
+  collected as garbage for the server to unlink.
+* **File I/O** — :meth:`DiskTier.write_file`, :meth:`~DiskTier.read_file`,
+  :meth:`~DiskTier.unlink_files`, :meth:`~DiskTier.clear` — runs on the
+  server's disk thread and touches no accounting (``clear`` excepted: it runs
+  at shutdown, once nothing else uses the tier).
 """
 
 from __future__ import annotations
 
-import hashlib
+import itertools
 import os
 import shutil
 from collections import OrderedDict
 from collections.abc import Hashable
+from dataclasses import dataclass
 
 from dkv.errors import ConfigError
+
+
+@dataclass(eq=False, slots=True)
+class DiskEntry:
+    """Space reserved in the tier for one file; one entry is one file's life (compared by identity)."""
+
+    path: str
+    size: int
+    live: bool = True  # False once released: its space is free again
 
 
 class DiskTier:
@@ -29,57 +55,128 @@ class DiskTier:
         except OSError as exc:
             raise ConfigError(f"cannot create the disk tier under {directory}: {exc}") from exc
         self.capacity = capacity
-        self.used = 0
-        self._files: OrderedDict[Hashable, tuple[str, int]] = OrderedDict()
+        self.used = 0  # every live entry: written files and files being written
+        self.indexed = 0  # bytes of the written, indexed files (what dropping the oldest can free)
+        self._files: OrderedDict[Hashable, DiskEntry] = OrderedDict()  # written, oldest first
+        self._names = itertools.count()
+        self._garbage: list[str] = []
+
+    # ---- accounting: event-loop thread, no I/O ------------------------------------------------
 
     def __contains__(self, key: Hashable) -> bool:
+        """True when ``key``'s file is written and indexed (readable)."""
         return key in self._files
+
+    def __len__(self) -> int:
+        return len(self._files)
 
     @property
     def free(self) -> int:
         return self.capacity - self.used
 
-    def put(self, key: Hashable, data: memoryview) -> list[Hashable]:
-        """Store ``data`` under ``key``; returns the keys dropped to make room (oldest first).
+    def entry(self, key: Hashable) -> DiskEntry | None:
+        """The written file of ``key``, or ``None``."""
+        return self._files.get(key)
 
-        A block larger than the whole tier is not stored (returns no drops and
-        ``key`` is absent afterwards).
+    def oldest(self) -> Hashable | None:
+        """The key whose written file is the oldest (the first to drop for room), or ``None``."""
+        return next(iter(self._files), None)
+
+    def allocate(self, size: int) -> DiskEntry | None:
+        """Reserve ``size`` bytes for a file to be written; ``None`` when they are not free.
+
+        The caller makes room first (:meth:`oldest`, :meth:`remove`); later it
+        either admits the entry (:meth:`admit`: written) or releases it (:meth:`release`).
         """
-        size = len(data)
-        if size > self.capacity:
-            return []
-        dropped: list[Hashable] = []
-        while self.used + size > self.capacity and self._files:
-            old_key = next(iter(self._files))
-            self.remove(old_key)
-            dropped.append(old_key)
-        path = os.path.join(self.root, hashlib.sha1(repr(key).encode()).hexdigest())
-        tmp = path + ".tmp"
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, path)
-        self._files[key] = (path, size)
+        if size > self.free:
+            return None
         self.used += size
-        return dropped
+        return DiskEntry(os.path.join(self.root, f"{next(self._names):016x}"), size)
 
-    def read_into(self, key: Hashable, dest: memoryview) -> None:
-        """Copy the spilled block into ``dest`` (exactly its size)."""
-        path, size = self._files[key]
-        with open(path, "rb", buffering=0) as fh:
-            got = fh.readinto(dest[:size])
-        if got != size:
-            raise OSError(f"spilled block {path} is short: {got} of {size} bytes")
+    def admit(self, key: Hashable, entry: DiskEntry) -> None:
+        """Index ``entry`` (its file is written) under ``key``, as the newest file."""
+        if not entry.live or key in self._files:
+            raise ValueError(f"cannot admit {key!r}: entry released or key already on disk")
+        self._files[key] = entry
+        self.indexed += entry.size
+
+    def detach(self, key: Hashable) -> DiskEntry:
+        """Take ``key``'s entry out of the index (so it cannot be dropped for room); still counted."""
+        entry = self._files.pop(key)
+        self.indexed -= entry.size
+        return entry
+
+    def release(self, entry: DiskEntry, *, written: bool = True) -> None:
+        """Free an entry's space; its file (if ``written`` may have made one) becomes garbage. Idempotent."""
+        if not entry.live:
+            return
+        entry.live = False
+        self.used -= entry.size
+        if written:
+            self._garbage.append(entry.path)
+
+    def reclaim(self, entry: DiskEntry) -> bool:
+        """Count a released entry's space again (its file was kept); False when that space is not free."""
+        if entry.live:
+            return True
+        if entry.size > self.free:
+            return False
+        entry.live = True
+        self.used += entry.size
+        return True
+
+    def unlink_later(self, path: str) -> None:
+        """Leave a file that no entry counts any more to the disk thread (:meth:`take_garbage`)."""
+        self._garbage.append(path)
 
     def remove(self, key: Hashable) -> None:
-        path, size = self._files.pop(key)
-        self.used -= size
+        """Drop ``key``'s written file: out of the index, space freed, file to unlink."""
+        self.release(self.detach(key))
+
+    def take_garbage(self) -> list[str]:
+        """Paths of released files, for the disk thread to unlink (:meth:`unlink_files`)."""
+        garbage, self._garbage = self._garbage, []
+        return garbage
+
+    # ---- file I/O: the disk thread -------------------------------------------------------------
+
+    @staticmethod
+    def write_file(path: str, data: bytes | bytearray | memoryview) -> None:
+        """Write ``data`` to ``path`` (temporary name, then rename). Raises ``OSError``; leaves no partial file."""
+        tmp = path + ".tmp"
         try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+
+    @staticmethod
+    def read_file(path: str, size: int) -> bytearray:
+        """The ``size`` bytes of the file at ``path``. Raises ``OSError`` (also when it is short)."""
+        data = bytearray(size)
+        with open(path, "rb", buffering=0) as fh:
+            got = fh.readinto(data)
+        if got != size:
+            raise OSError(f"spilled block {path} is short: {got} of {size} bytes")
+        return data
+
+    @staticmethod
+    def unlink_files(paths: list[str]) -> None:
+        """Unlink released files; a file already gone (or any error) is ignored."""
+        for path in paths:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
     def clear(self) -> None:
-        """Drop every spilled block and the tier's directory."""
+        """Drop every spilled block and the tier's directory (shutdown, or a test's cleanup)."""
         self._files.clear()
-        self.used = 0
+        self._garbage.clear()
+        self.used = self.indexed = 0
         shutil.rmtree(self.root, ignore_errors=True)

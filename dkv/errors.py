@@ -10,6 +10,7 @@
      │    ├── AuthError           handshake refused: token proof or namespace
      │    ├── LeaseExpired        a read named a lease the node no longer holds
      │    └── WriteRejected       a commit or write the node refused
+     ├── ReadNotIntact            a same-host copy outlived its read's pins: discard it
      ├── TransportError           the connection failed or closed
      │    └── OpTimeout           an await exceeded its bound
      ├── ClusterError             etcd could not be reached or refused us
@@ -62,6 +63,10 @@ class LeaseExpired(RemoteError):
 
 class WriteRejected(RemoteError):
     """The node refused a write or a commit (expired reservation, bad sizes)."""
+
+
+class ReadNotIntact(DKVError):
+    """A same-host read's pins ended before its copy finished (read TTL): the bytes may be torn."""
 
 
 class TransportError(DKVError):

@@ -28,6 +28,7 @@ from typing import Any
 
 from dkv.arena import Arena
 from dkv.disk_tier import DiskTier
+from dkv.disk_worker import DiskWorker
 from dkv.errors import ConfigError, DKVError, ProtocolError, RemoteError, TransportError
 from dkv.hostid import host_id
 from dkv.etcd import check_node_id
@@ -39,6 +40,7 @@ from dkv.units import is_loopback
 from dkv.wire import (
     MAX_FRAME,
     MAX_KEYS,
+    MAX_LEAVES,
     NONCE_SIZE,
     PROTOCOL_VERSION,
     check_request,
@@ -68,6 +70,7 @@ class NodeConfig:
     disk_size: int = 0
     lease_ttl: float = 10.0
     reservation_ttl: float = 30.0
+    read_ttl: float = 30.0
     max_leases_per_client: int = 64
     op_timeout: float = 10.0
     max_connections: int = 1024
@@ -117,6 +120,7 @@ class NodeServer:
             disk,
             lease_ttl=config.lease_ttl,
             reservation_ttl=config.reservation_ttl,
+            read_ttl=config.read_ttl,
             max_leases_per_owner=config.max_leases_per_client,
         )
         self._peers: dict[str, _Peer] = {}
@@ -124,6 +128,7 @@ class NodeServer:
         self._ids = itertools.count(1)
         self._listener: Listener | None = None
         self._expiry: asyncio.Task[None] | None = None
+        self._disk_worker = DiskWorker(self.store) if disk is not None else None  # file I/O off the loop
         self._closed = False
         self.errors_by_code: dict[str, int] = {}
         self.ops: dict[str, int] = {}
@@ -147,6 +152,8 @@ class NodeServer:
         Raises :class:`dkv.membership.NodeIdTaken` when a live node holds the id;
         the caller must still :meth:`stop`.
         """
+        if self._disk_worker is not None:
+            self._disk_worker.start()
         self._listener = Listener(self._serve, self.config.port)
         self._expiry = asyncio.create_task(self._expire_forever(), name="dkv-expiry")
         if self.cluster_config is not None:
@@ -176,8 +183,8 @@ class NodeServer:
         if tasks:
             await asyncio.wait(tasks, timeout=5.0)
         self.store.close()
-        if self.store.disk is not None:
-            self.store.disk.clear()
+        if self._disk_worker is not None:
+            await self._disk_worker.stop()  # bounded: a stuck disk write cannot hang shutdown
         self.arena.close()
         await stop_progress()
 
@@ -263,7 +270,9 @@ class NodeServer:
                 "epoch": self.epoch,
                 "host": host_id(),
                 "arena": {"name": self.arena.shm_name, "size": self.arena.size},
-                "limits": {"max_frame": MAX_FRAME, "max_keys": MAX_KEYS, "lease_ttl": self.config.lease_ttl},
+                "limits": {"max_frame": MAX_FRAME, "max_keys": MAX_KEYS, "max_leaves": MAX_LEAVES,
+                           "lease_ttl": self.config.lease_ttl, "read_ttl": self.config.read_ttl,
+                           "max_leases": self.config.max_leases_per_client},
             },
             HANDSHAKE_TIMEOUT,
         )
@@ -295,9 +304,13 @@ class NodeServer:
         return [StoreKey(peer.namespace, k[0], k[1], k[2]) for k in raw_keys]
 
     async def _op_lookup(self, peer: _Peer, req: dict[str, Any]) -> None:
+        """Presence masks, and with ``lease`` a lease; spilled blocks are read back off the event loop first."""
+        promoted = None
+        if req["lease"] and self._disk_worker is not None:
+            promoted = await self._disk_worker.promotions(peer.namespace, req["hashes"], req["leaves"], req["shards"])
         masks, lease = self.store.lookup(
             peer.namespace, req["hashes"], req["leaves"], req["shards"],
-            owner=peer.client_owner if req["lease"] else None, group=req["group"],
+            owner=peer.client_owner if req["lease"] else None, group=req["group"], promoted=promoted,
         )
         await self._reply(peer, masks=_pack_masks(masks), lease=lease.lease_id if lease else None,
                           ttl=self.config.lease_ttl)
@@ -311,18 +324,36 @@ class NodeServer:
         await self._reply(peer, found=found)
 
     async def _op_read(self, peer: _Peer, req: dict[str, Any]) -> None:
-        plans = self.store.read_plan(req["lease"], peer.client_owner, self._keys(peer, req["keys"]))
-        sizes = [p.size for p in plans]
+        """Serve a read under a lease; the read pins its own blocks until its bytes have left.
+
+        With ``end`` the lease ends here, before any byte moves: from then on
+        only the read's pins hold the slots, so a next lookup, the lease TTL or
+        a release cannot let them be rewritten under the read. Listener path:
+        the pins drop once the node's sends are done (or failed). Same-host
+        path: they drop on the client's ``done`` (which answers whether they
+        were still held), the read TTL, or the connection's end.
+        """
+        read = self.store.begin_read(req["lease"], peer.client_owner, self._keys(peer, req["keys"]),
+                                     reader=peer.conn_owner)
+        if req["end"]:
+            self.store.end_lease(req["lease"])
+        slots = read.slots
+        sizes = [p.size for p in slots]
         if req["shm"]:
-            await self._reply(peer, sizes=sizes, offsets=[p.offset for p in plans])
-            return  # the client copies from the shared arena, then releases
+            await self._reply(peer, sizes=sizes, offsets=[p.offset for p in slots], read=read.read_id)
+            return  # the client copies from the shared arena, then sends done
         try:
             await self._reply(peer, sizes=sizes)
-            await peer.conn.send_payloads([self.arena.slot(p.offset, p.size) for p in plans if p.size],
+            await peer.conn.send_payloads([self.arena.slot(p.offset, p.size) for p in slots if p.size],
                                           self.config.op_timeout)
         finally:
-            if req["end"]:
-                self.store.end_lease(req["lease"])
+            self.store.end_read(read.read_id)
+
+    async def _op_done(self, peer: _Peer, req: dict[str, Any]) -> None:
+        """A same-host client finished copying a read: drop its pins; ``intact`` says they held throughout."""
+        read = self.store.reads.get(req["read"])
+        intact = read is not None and read.owner == peer.conn_owner and self.store.end_read(req["read"])
+        await self._reply(peer, intact=intact)
 
     async def _op_write(self, peer: _Peer, req: dict[str, Any]) -> None:
         keys = self._keys(peer, req["keys"])
@@ -384,8 +415,10 @@ class NodeServer:
             "disk": {"free": disk_free, "total": disk_total, "used": disk_total - disk_free},
             "blocks": len(store.blocks),
             "blocks_on_disk": sum(1 for b in store.blocks.values() if not b.on_host),
+            "staging": dict(zip(("blocks", "bytes"), store.staging_usage())),
             "leases": len(store.leases),
-            "pinned_blocks": sum(1 for b in store.blocks.values() if b.pins > 0),
+            "pinned_blocks": store.pinned_blocks,
+            "reads": len(store.reads),
             "reservations": len(store.reservations),
             "connections": len(self._peers),
             "clients": len(self._client_conns),

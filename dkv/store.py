@@ -17,29 +17,52 @@ Contracts (DESIGN.md §3):
   for the same group, expiry (TTL), or :meth:`drop_owner`. An owner holds at
   most ``max_leases_per_owner`` leases; one more ends its oldest. A pinned
   block is never evicted.
+* **Reads pin for themselves (DESIGN §6).** :meth:`begin_read` checks the
+  lease and then takes the read's *own* pins on its blocks, which last until
+  :meth:`end_read` (the bytes have left: sent, or copied by a same-host
+  client), the read's TTL, or :meth:`drop_owner` of the reading connection —
+  whatever happens to the lease meanwhile. :meth:`end_read` says whether the
+  pins were still held when the read ended: a same-host copy that finished
+  after its read expired cannot be proven intact and must be failed.
 * **Eviction (7).** Each offload (commit), touch or loaded lookup (read)
   stamps its blocks with one recency stamp; the oldest stamp evicts first and,
   within a stamp, the deepest block (largest position in the caller's run)
   first. A touch of the whole chain therefore keeps the root last to go.
+* **Disk tier (DESIGN §6: the store decides, the server moves).** An evicted
+  host block is copied into bounded staging memory, its slot freed at once,
+  and a :class:`~dkv.spill.SpillJob` queued (:meth:`take_spill`); the server
+  writes the file off the event loop and reports back (:meth:`finish_spill`).
+  No room in staging or on disk: the block is dropped instead, never waited
+  for. A leased lookup promotes staged blocks from memory and on-disk blocks
+  only from bytes the server read beforehand (:meth:`disk_reads`, then
+  ``lookup(promoted=...)``). A failed write or read drops the block
+  (unpublished). No error path leaks a reservation, a pin, a slot or disk
+  space.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from dkv.arena import Arena, align_up
-from dkv.disk_tier import DiskTier
+from dkv.disk_tier import DiskEntry, DiskTier
 from dkv.errors import LeaseExpired, WriteRejected
+from dkv.spill import DEFAULT_STAGING_BYTES, SpillJob, Staging
+
+log = logging.getLogger(__name__)
 
 DEFAULT_LEASE_TTL = 10.0
 DEFAULT_RESERVATION_TTL = 30.0
+DEFAULT_READ_TTL = 30.0
 DEFAULT_MAX_LEASES_PER_OWNER = 64
 MAX_BLOCK_SIZE = 256 * 2**20
+HEAP_SLACK = 1024  # stale recency entries tolerated beyond one per block before a compaction
 
 
 class StoreKey(NamedTuple):
@@ -58,7 +81,7 @@ class Block:
     offset: int  # arena offset while on the host tier, -1 when only on disk
     stamp: int = 0
     depth: int = 0
-    pins: int = 0  # leases holding it
+    pins: int = 0  # leases and reads holding it
     order: int = 0  # bumps on every restamp; stale heap entries are skipped
 
     @property
@@ -72,6 +95,16 @@ class Lease:
     owner: str
     group: int
     keys: dict[StoreKey, int]  # key -> depth in the looked-up run
+    expires_at: float
+
+
+@dataclass(slots=True)
+class Read:
+    """A read in flight: its own pins on its blocks, held until its bytes have left."""
+
+    read_id: int
+    owner: str  # the connection moving the bytes
+    keys: list[StoreKey]  # distinct keys, each pinned once by this read
     expires_at: float
 
 
@@ -92,6 +125,29 @@ class SlotPlan(NamedTuple):
     size: int
 
 
+class ReadPlan(NamedTuple):
+    """A started read: its id (for :meth:`Store.end_read`) and one slot per requested key."""
+
+    read_id: int
+    slots: list[SlotPlan]
+
+
+class DiskRead(NamedTuple):
+    """A spilled block's file that the server may read before a leased lookup (:meth:`Store.disk_reads`)."""
+
+    key: StoreKey
+    entry: DiskEntry
+
+
+class Promoted(NamedTuple):
+    """Bytes the server read from ``entry``'s file, handed to :meth:`Store.lookup` to promote."""
+
+    entry: DiskEntry
+    data: bytes | bytearray | memoryview
+
+
+_LEASE, _READ, _RESERVATION = 0, 1, 2  # kinds of expiring items
+
 WRITE = "write"  # reserved for this writer: send the bytes
 EXISTS = "exists"  # already committed: nothing to send
 BUSY = "busy"  # another writer holds it: nothing to send
@@ -108,13 +164,17 @@ class StoreCounters:
     commits: int = 0
     aborted_writes: int = 0
     evictions: int = 0
-    spills: int = 0
-    disk_hits: int = 0
-    disk_drops: int = 0
+    spills: int = 0  # spill files written
+    disk_hits: int = 0  # blocks promoted back to the host pool (from staging or from disk)
+    disk_drops: int = 0  # on-disk blocks dropped to make room
+    spill_drops: int = 0  # evicted blocks dropped, not spilled: staging memory or disk space full
+    disk_errors: int = 0  # spill writes or promotion reads that failed (the block is dropped)
+    disk_read_timeouts: int = 0  # leased lookups that stopped waiting for their promotion reads
     leases_granted: int = 0
     leases_expired: int = 0
     leases_dropped_over_limit: int = 0
     reads_refused: int = 0
+    reads_expired: int = 0
     touches: int = 0
     full_refusals: int = 0
 
@@ -127,15 +187,22 @@ class Store:
     disk: DiskTier | None = None
     lease_ttl: float = DEFAULT_LEASE_TTL
     reservation_ttl: float = DEFAULT_RESERVATION_TTL
+    read_ttl: float = DEFAULT_READ_TTL
     max_leases_per_owner: int = DEFAULT_MAX_LEASES_PER_OWNER
     clock: Callable[[], float] = time.monotonic
     on_commit: list[Callable[[list[StoreKey]], None]] = field(default_factory=list)
     on_evict: list[Callable[[list[StoreKey]], None]] = field(default_factory=list)
+    staging_bytes: int = DEFAULT_STAGING_BYTES  # memory for evicted blocks waiting for their spill write
+    on_spill: list[Callable[[], None]] = field(default_factory=list)  # disk work queued (spill or garbage)
 
     def __post_init__(self) -> None:
         self.blocks: dict[StoreKey, Block] = {}
         self.leases: dict[int, Lease] = {}
         self.reservations: dict[int, Reservation] = {}
+        self.reads: dict[int, Read] = {}
+        self._owner_reads: dict[str, dict[int, None]] = {}
+        self.pinned_blocks = 0  # blocks with pins > 0, kept as pins change
+        self._expiries: list[tuple[float, int, int]] = []  # (expires_at, kind, id): leases, reads, reservations
         self.reserved_keys: dict[StoreKey, int] = {}
         self.counters = StoreCounters()
         self._group_lease: dict[tuple[str, int], int] = {}
@@ -144,6 +211,7 @@ class Store:
         self._stamps = itertools.count(1)
         self._ids = itertools.count(1)
         self._orders = itertools.count(1)
+        self._staging = Staging(self.staging_bytes)
 
     # ---- presence ---------------------------------------------------------------------------
 
@@ -164,12 +232,21 @@ class Store:
         *,
         owner: str | None = None,
         group: int = 0,
+        promoted: Mapping[StoreKey, Promoted] | None = None,
     ) -> tuple[dict[str, list[bool]], Lease | None]:
         """Presence masks; with ``owner``, also a lease pinning every block reported present.
 
+        A leased lookup that finds nothing grants no lease (``None``): there is
+        nothing to load, so it costs the owner none of its lease budget.
+
         A leased lookup first ends the owner's previous lease for ``group``
         (back-to-back lookups never stack), and brings spilled blocks back into
-        the host pool (a block that cannot be brought back is reported absent).
+        the host pool: staged ones from their staging buffer, on-disk ones only
+        from ``promoted`` (bytes the server read beforehand, see
+        :meth:`disk_reads`; used only while the block is still that file's).
+        A block that cannot be brought back is reported absent. No file I/O
+        happens here. If anything raises midway, the pins already taken are
+        given back and no lease is granted.
         """
         self.expire()
         self.counters.lookups += 1
@@ -181,33 +258,38 @@ class Store:
         lease = None
         if owner is not None:
             pinned: dict[StoreKey, int] = {}
-            for leaf, mask in masks.items():
-                for depth, (h, present) in enumerate(zip(hashes, mask)):
-                    if not present:
-                        continue
-                    keys = [StoreKey(namespace, leaf, s, h) for s in range(shards)]
-                    if all(self._pin_on_host(k, pinned) for k in keys):
-                        for k in keys:
-                            pinned[k] = depth
-                    else:
-                        mask[depth] = False
-            lease = self._grant(owner, group, pinned)
+            try:
+                for leaf, mask in masks.items():
+                    for depth, (h, present) in enumerate(zip(hashes, mask)):
+                        if not present:
+                            continue
+                        keys = [StoreKey(namespace, leaf, s, h) for s in range(shards)]
+                        if all(self._pin_on_host(k, pinned, promoted) for k in keys):
+                            for k in keys:
+                                pinned[k] = depth
+                        else:
+                            mask[depth] = False
+            except BaseException:
+                self._unpin_keys(pinned)
+                raise
+            lease = self._grant(owner, group, pinned) if pinned else None  # nothing found: nothing to hold
         hit = sum(m.count(True) for m in masks.values())
         self.counters.hits += hit
         self.counters.misses += len(hashes) * len(masks) - hit
         return masks, lease
 
-    def _pin_on_host(self, key: StoreKey, pinned: dict[StoreKey, int]) -> bool:
-        """Make ``key`` resident on the host tier (promoting from disk) and pin it for a lease."""
+    def _pin_on_host(self, key: StoreKey, pinned: dict[StoreKey, int],
+                     promoted: Mapping[StoreKey, Promoted] | None = None) -> bool:
+        """Make ``key`` resident on the host tier (promoting from staging or ``promoted``) and pin it for a lease."""
         if key in pinned:
             return True
         block = self.blocks.get(key)
         if block is None:
             return False
         if not block.on_host:
-            if not self._promote(block):
+            if not self._promote(block, promoted):
                 return False
-        block.pins += 1
+        self._pin(block)
         pinned[key] = 0
         return True
 
@@ -220,29 +302,78 @@ class Store:
         self.leases[lease.lease_id] = lease
         owned[lease.lease_id] = None
         self._group_lease[(owner, group)] = lease.lease_id
+        self._schedule_expiry(lease.expires_at, _LEASE, lease.lease_id)
         self.counters.leases_granted += 1
         return lease
 
     # ---- reads under a lease ----------------------------------------------------------------
 
-    def read_plan(self, lease_id: int, owner: str, keys: Sequence[StoreKey]) -> list[SlotPlan]:
-        """Slots to read ``keys`` from; every key must be pinned by ``owner``'s live lease.
+    def begin_read(self, lease_id: int, lease_owner: str, keys: Sequence[StoreKey], *,
+                   reader: str | None = None) -> ReadPlan:
+        """Start a read of ``keys`` (all covered by ``lease_owner``'s live lease ``lease_id``).
 
-        Stamps the keys (a loaded lookup counts as use). Raises
-        :class:`LeaseExpired` when the lease is gone or does not cover a key.
+        The read takes its own pin on each block (``reader``, the connection
+        moving the bytes, owns it; default ``lease_owner``), so ending the lease
+        afterwards — by the next lookup, the TTL, the lease limit or a release —
+        cannot let the slots be evicted or rewritten while the bytes move. The
+        pins last until :meth:`end_read`, the read TTL or :meth:`drop_owner` of
+        ``reader``. Stamps the keys (a loaded lookup counts as use). Raises
+        :class:`LeaseExpired` when the lease is gone or does not cover a key;
+        nothing is pinned then.
         """
         self.expire()
         lease = self.leases.get(lease_id)
-        if lease is None or lease.owner != owner:
+        if lease is None or lease.owner != lease_owner:
             self.counters.reads_refused += 1
             raise LeaseExpired("lease_expired", f"lease {lease_id} is not held (expired, ended or never granted)")
-        missing = [k for k in keys if k not in lease.keys]
+        covered = lease.keys
+        missing = [k for k in keys if k not in covered]
         if missing:
             self.counters.reads_refused += 1
             raise LeaseExpired("lease_expired", f"{len(missing)} requested block(s) are not covered by lease {lease_id}")
-        plans = [SlotPlan(self.blocks[k].offset, self.blocks[k].size) for k in keys]
-        self._stamp((k, lease.keys[k]) for k in keys)
-        return plans
+        blocks = self.blocks
+        distinct = list(dict.fromkeys(keys))
+        for key in distinct:
+            self._pin(blocks[key])
+        owner = reader if reader is not None else lease_owner
+        read = Read(next(self._ids), owner, distinct, self.clock() + self.read_ttl)
+        self.reads[read.read_id] = read
+        self._owner_reads.setdefault(owner, {})[read.read_id] = None
+        self._schedule_expiry(read.expires_at, _READ, read.read_id)
+        slots = [SlotPlan(blocks[k].offset, blocks[k].size) for k in keys]
+        self._stamp((k, covered[k]) for k in distinct)
+        return ReadPlan(read.read_id, slots)
+
+    def end_read(self, read_id: int) -> bool:
+        """End a read and drop its pins. True when its pins were still held (the read is intact).
+
+        False when the read had already ended (TTL, its connection closed) or
+        was never started: its blocks may have been rewritten meanwhile, so a
+        same-host copy made under it must not be trusted. Idempotent.
+        """
+        read = self.reads.pop(read_id, None)
+        if read is None:
+            return False
+        self._owner_reads.get(read.owner, {}).pop(read_id, None)
+        blocks = self.blocks
+        for key in read.keys:
+            block = blocks.get(key)
+            if block is not None:
+                self._unpin(block)
+        return True
+
+    def _pin(self, block: Block) -> None:
+        if block.pins == 0:
+            self.pinned_blocks += 1
+        block.pins += 1
+
+    def _unpin(self, block: Block) -> None:
+        block.pins -= 1
+        if block.pins == 0:
+            self.pinned_blocks -= 1
+
+    def _pinned(self, block: Block) -> bool:
+        return block.pins > 0
 
     def end_lease(self, lease_id: int) -> bool:
         """End a lease and unpin its blocks; False if it was not held. Idempotent."""
@@ -252,7 +383,7 @@ class Store:
         for key in lease.keys:
             block = self.blocks.get(key)
             if block is not None:
-                block.pins -= 1
+                self._unpin(block)
         self._owner_leases.get(lease.owner, {}).pop(lease_id, None)
         if self._group_lease.get((lease.owner, lease.group)) == lease_id:
             del self._group_lease[(lease.owner, lease.group)]
@@ -265,33 +396,39 @@ class Store:
 
         Status is :data:`WRITE` (send the bytes into the planned slot),
         :data:`EXISTS`, :data:`BUSY` (another writer holds the key) or
-        :data:`FULL`. Reserved keys are invisible until :meth:`commit`.
+        :data:`FULL`. Reserved keys are invisible until :meth:`commit`. If
+        anything raises midway (a bad size, a failure while making room), the
+        slots and keys reserved so far are given back before it propagates.
         """
         if len(keys) != len(sizes):
             raise WriteRejected("write_rejected", "keys and sizes differ in length")
         self.expire()
         res = Reservation(next(self._ids), owner, [], [], [], self.clock() + self.reservation_ttl)
         statuses: list[str] = []
-        for key, size in zip(keys, sizes):
-            if not isinstance(size, int) or not 0 <= size <= MAX_BLOCK_SIZE:
-                self._abort(res)
-                raise WriteRejected("write_rejected", f"block size {size!r} outside [0, {MAX_BLOCK_SIZE}]")
-            if key in self.blocks:
-                statuses.append(EXISTS)
-            elif key in self.reserved_keys:
-                statuses.append(BUSY)
-            else:
-                offset = self._alloc(size)
-                if offset is None:
-                    self.counters.full_refusals += 1
-                    statuses.append(FULL)
-                    continue
-                res.keys.append(key)
-                res.offsets.append(offset)
-                res.sizes.append(size)
-                self.reserved_keys[key] = res.write_id
-                statuses.append(WRITE)
+        try:
+            for key, size in zip(keys, sizes):
+                if not isinstance(size, int) or not 0 <= size <= MAX_BLOCK_SIZE:
+                    raise WriteRejected("write_rejected", f"block size {size!r} outside [0, {MAX_BLOCK_SIZE}]")
+                if key in self.blocks:
+                    statuses.append(EXISTS)
+                elif key in self.reserved_keys:
+                    statuses.append(BUSY)
+                else:
+                    offset = self._alloc(size)
+                    if offset is None:
+                        self.counters.full_refusals += 1
+                        statuses.append(FULL)
+                        continue
+                    res.keys.append(key)
+                    res.offsets.append(offset)
+                    res.sizes.append(size)
+                    self.reserved_keys[key] = res.write_id
+                    statuses.append(WRITE)
+        except BaseException:
+            self._abort(res)
+            raise
         self.reservations[res.write_id] = res
+        self._schedule_expiry(res.expires_at, _RESERVATION, res.write_id)
         return res, statuses
 
     def commit(self, write_id: int, owner: str) -> list[StoreKey]:
@@ -349,24 +486,52 @@ class Store:
         block.stamp, block.depth, block.order = stamp, depth, next(self._orders)
         if block.on_host:
             heapq.heappush(self._heap, (stamp, -depth, block.order, block.key))
+            if len(self._heap) > 2 * len(self.blocks) + HEAP_SLACK:
+                self._compact_recency()
+
+    def _compact_recency(self) -> None:
+        """Drop stale recency entries: the heap holds one live entry per host block plus bounded slack.
+
+        Every restamp leaves the block's previous entry behind; without this,
+        the heap grew with every read ever served and eviction slowed with it.
+        Amortised O(1) per restamp (a rebuild after at least ``len(blocks)``
+        pushes).
+        """
+        self._heap = [(b.stamp, -b.depth, b.order, b.key) for b in self.blocks.values() if b.on_host]
+        heapq.heapify(self._heap)
 
     # ---- ownership and expiry -------------------------------------------------------------
 
     def drop_owner(self, owner: str) -> None:
-        """A client vanished: end its leases and abort its reservations."""
+        """A client or connection vanished: end its leases and reads, abort its reservations."""
         for lease_id in list(self._owner_leases.pop(owner, {})):
             self.end_lease(lease_id)
+        for read_id in list(self._owner_reads.pop(owner, {})):
+            self.end_read(read_id)
         for res in [r for r in self.reservations.values() if r.owner == owner]:
             self.abort(res.write_id)
 
+    def _schedule_expiry(self, when: float, kind: int, item_id: int) -> None:
+        heapq.heappush(self._expiries, (when, kind, item_id))
+
     def expire(self) -> None:
-        """End leases and reservations whose TTL has passed."""
+        """End leases, reads and reservations whose TTL has passed.
+
+        Costs what has expired, not what is live: one heap entry per grant,
+        popped once (an entry whose item already ended is skipped).
+        """
         now = self.clock()
-        for lease in [x for x in self.leases.values() if x.expires_at <= now]:
-            self.counters.leases_expired += 1
-            self.end_lease(lease.lease_id)
-        for res in [r for r in self.reservations.values() if r.expires_at <= now]:
-            self.abort(res.write_id)
+        expiries = self._expiries
+        while expiries and expiries[0][0] <= now:
+            _, kind, item_id = heapq.heappop(expiries)
+            if kind == _LEASE:
+                if self.end_lease(item_id):
+                    self.counters.leases_expired += 1
+            elif kind == _READ:
+                if self.end_read(item_id):
+                    self.counters.reads_expired += 1
+            else:
+                self.abort(item_id)
 
     # ---- space ------------------------------------------------------------------------------
 
@@ -402,7 +567,7 @@ class Store:
             block = self.blocks.get(entry[3])
             if block is None or block.order != entry[2] or not block.on_host:
                 continue  # stale entry
-            if block.pins > 0:
+            if self._pinned(block):
                 skipped.append(entry)
                 continue
             victim = block
@@ -412,56 +577,248 @@ class Store:
         return victim
 
     def _evict_from_host(self, block: Block) -> bool:
-        """Move ``block`` off the host tier: spill to disk if there is one, else drop it.
+        """Move ``block`` off the host tier: stage it for a spill if there is a disk tier, else drop it.
 
-        Returns True when the block left the store entirely (so it must be unpublished).
+        Returns True when the block left the store entirely (so it must be
+        unpublished). Does no I/O and never raises: the bytes are copied into
+        staging memory and the server writes the file later
+        (:meth:`take_spill`); with no room in staging or on disk the block is
+        dropped instead, counted in ``spill_drops``.
         """
         self.counters.evictions += 1
-        if self.disk is not None and block.size > 0:
-            dropped = self.disk.put(block.key, self.arena.slot(block.offset, block.size))
-            self._drop_disk_blocks(dropped)
-            if block.key in self.disk:
-                self.counters.spills += 1
-                self._free(block.offset, block.size)
-                block.offset = -1
-                return False
+        if self.disk is not None and block.size > 0 and self._stage(block):
+            self._free(block.offset, block.size)
+            block.offset = -1
+            return False
         del self.blocks[block.key]
         self._free(block.offset, block.size)
         return True
 
-    def _drop_disk_blocks(self, keys: list) -> None:
+    def _stage(self, block: Block) -> bool:
+        """Copy a host block's bytes into staging and queue its spill; False (counted) when there is no room."""
+        disk = self.disk
+        assert disk is not None
+        if not self._staging.fits(block.size) or block.size > disk.free + disk.indexed:
+            self.counters.spill_drops += 1  # staging full, or the tier is busy with files being written
+            return False
+        try:
+            data = bytearray(self.arena.slot(block.offset, block.size))
+        except MemoryError:
+            self.counters.spill_drops += 1
+            return False
+        if not self._make_disk_room(block.size):
+            self.counters.spill_drops += 1
+            return False
+        entry = disk.allocate(block.size)
+        assert entry is not None
+        self._staging.add(SpillJob(block.key, data, entry))
+        self._disk_work()
+        return True
+
+    def _make_disk_room(self, size: int) -> bool:
+        """Free ``size`` bytes on disk, dropping the oldest on-disk blocks (unpublished); False if it cannot."""
+        disk = self.disk
+        assert disk is not None
+        dropped: list[StoreKey] = []
+        while size > disk.free and (key := disk.oldest()) is not None:
+            disk.remove(key)
+            dropped.append(key)
+        if dropped:
+            self.counters.disk_drops += len(dropped)
+            self._drop_disk_blocks(dropped)
+        return size <= disk.free
+
+    def _drop_disk_blocks(self, keys: list[StoreKey]) -> None:
+        """Drop on-disk blocks from the tier (if still there) and from the store, and unpublish them."""
+        disk = self.disk
+        assert disk is not None
         gone = []
         for key in keys:
+            if key in disk:
+                disk.remove(key)
             block = self.blocks.get(key)
-            if block is not None and not block.on_host:
+            if block is not None and not block.on_host and key not in self._staging:
                 del self.blocks[key]
                 gone.append(key)
-        self.counters.disk_drops += len(gone)
+        self._disk_work()
         if gone:
             self._notify_evicted(gone)
 
-    def _promote(self, block: Block) -> bool:
-        """Read a spilled block back into a host slot; False (and still spilled) if there is no room."""
-        assert self.disk is not None
-        data = bytearray(block.size)
-        self.disk.read_into(block.key, memoryview(data))
-        self.disk.remove(block.key)  # so that making room cannot drop it from the disk tier
+    def _unstage(self, key: StoreKey) -> bool:
+        """Cancel ``key``'s spill (its block is promoted or dropped); False if it was not staged."""
+        job = self._staging.cancel(key)
+        if job is None:
+            return False
+        if not job.taken:  # never handed to the server: no file exists
+            assert self.disk is not None
+            self.disk.release(job.entry, written=False)
+        return True
+
+    def _disk_work(self) -> None:
+        """Tell the server there may be disk work: a spill to write or files to unlink."""
+        for callback in self.on_spill:
+            callback()
+
+    # ---- spill and promotion: plans for the server -----------------------------------------
+
+    def take_spill(self) -> SpillJob | None:
+        """The next spill for the server to write (``job.data`` to ``job.entry.path``), or ``None``.
+
+        The server writes it off the event loop and must end every taken job
+        with :meth:`finish_spill` (unless the store is closing).
+        """
+        return self._staging.take()
+
+    def finish_spill(self, job: SpillJob, error: BaseException | None = None) -> None:
+        """The server's write of ``job`` ended, failed with ``error`` if given. Never raises.
+
+        Success: the block is now on disk and its staging memory is freed.
+        Failure (directory gone, disk full, ...): the block is dropped and
+        unpublished, counted in ``disk_errors``. If the block stopped wanting
+        the file meanwhile (promoted, cleared), the file's space is released
+        and the file left to unlink (:meth:`DiskTier.take_garbage`).
+        """
+        disk = self.disk
+        assert disk is not None
+        if not self._staging.finish(job):
+            disk.release(job.entry)
+            self._disk_work()
+            return
+        if error is None:
+            disk.admit(job.key, job.entry)
+            self.counters.spills += 1
+            return
+        self.counters.disk_errors += 1
+        disk.release(job.entry)
+        self._disk_work()
+        block = self.blocks.get(job.key)
+        if block is not None and not block.on_host:
+            del self.blocks[job.key]
+            self._notify_evicted([job.key])
+
+    def disk_reads(self, namespace: str, hashes: Sequence[bytes], leaves: Sequence[str], shards: int,
+                   budget: int) -> list[DiskRead]:
+        """Files a leased lookup of these hashes could promote: blocks only on disk, shallowest first.
+
+        Only hashes that every shard of a leaf holds count; the list stops
+        before the first file that would take it past ``budget`` bytes. The
+        server reads them off the event loop and hands the bytes to
+        :meth:`lookup` (``promoted``), or reports a failed read to
+        :meth:`disk_read_failed`. Plans only; changes nothing.
+        """
+        disk = self.disk
+        if disk is None or not len(disk):
+            return []
+        blocks = self.blocks
+        reads: list[DiskRead] = []
+        total = 0
+        for h in hashes:
+            for leaf in leaves:
+                keys = [StoreKey(namespace, leaf, s, h) for s in range(shards)]
+                if not all(k in blocks for k in keys):
+                    continue
+                for key in keys:
+                    entry = disk.entry(key)
+                    if entry is None:
+                        continue
+                    if total + entry.size > budget:
+                        return reads
+                    reads.append(DiskRead(key, entry))
+                    total += entry.size
+        return reads
+
+    def disk_read_failed(self, read: DiskRead, error: BaseException) -> None:
+        """The server could not read ``read``'s file: drop the block (unpublished), counted in ``disk_errors``.
+
+        Nothing happens when the block no longer uses that file (promoted,
+        dropped or spilled anew meanwhile). Never raises.
+        """
+        disk = self.disk
+        if disk is None or disk.entry(read.key) is not read.entry:
+            return
+        self.counters.disk_errors += 1
+        self._drop_disk_blocks([read.key])
+
+    def staging_usage(self) -> tuple[int, int]:
+        """``(blocks, bytes)`` held in staging memory (queued or being written)."""
+        return len(self._staging), self._staging.used
+
+    def _promote(self, block: Block, promoted: Mapping[StoreKey, Promoted] | None = None) -> bool:
+        """Bring an off-host block back into a host slot from memory; False (still off host) if it cannot.
+
+        A staged block comes from its staging buffer; an on-disk one only from
+        ``promoted``, and only while its file is the one that was read. No
+        I/O. If making room raises, the block stays where it was.
+        """
+        key = block.key
+        job = self._staging.get(key)
+        if job is not None:
+            if not self._copy_to_host(block, job.data):
+                return False
+            self._unstage(key)
+            return True
+        disk = self.disk
+        read = promoted.get(key) if promoted is not None else None
+        if disk is None or read is None or disk.entry(key) is not read.entry or len(read.data) != block.size:
+            return False
+        # Out of the index, so making room cannot drop it; its space is free for the blocks this
+        # promotion pushes out, and its file stays until the promotion has succeeded.
+        entry = disk.detach(key)
+        disk.release(entry, written=False)
+        try:
+            moved = self._copy_to_host(block, read.data)
+        except BaseException:
+            self._keep_on_disk(block, entry)
+            raise
+        if moved:
+            disk.unlink_later(entry.path)
+            self._disk_work()
+        else:
+            self._keep_on_disk(block, entry)
+        return moved
+
+    def _keep_on_disk(self, block: Block, entry: DiskEntry) -> None:
+        """A promotion failed: put the block's file back in the tier, or drop the block if it no longer fits."""
+        disk = self.disk
+        assert disk is not None
+        if self._make_disk_room(entry.size) and disk.reclaim(entry):
+            disk.admit(block.key, entry)
+            return
+        disk.unlink_later(entry.path)
+        self._disk_work()
+        del self.blocks[block.key]
+        self.counters.disk_drops += 1
+        self._notify_evicted([block.key])
+
+    def _copy_to_host(self, block: Block, data: bytes | bytearray | memoryview) -> bool:
+        """Give an off-host block a host slot holding ``data``; False if there is no room."""
         offset = self._alloc(block.size)
         if offset is None:
-            self._drop_disk_blocks(self.disk.put(block.key, memoryview(data)))
-            if block.key not in self.disk:
-                del self.blocks[block.key]
-                self._notify_evicted([block.key])
             return False
-        self.arena.slot(offset, block.size)[:] = data
+        try:
+            self.arena.slot(offset, block.size)[:] = data
+        except BaseException:
+            self._free(offset, block.size)
+            raise
         block.offset = offset
         self.counters.disk_hits += 1
         heapq.heappush(self._heap, (block.stamp, -block.depth, block.order, block.key))
         return True
 
+    def _unpin_keys(self, keys: Iterable[StoreKey]) -> None:
+        """Give back one lease pin per key (a leased lookup that failed midway)."""
+        for key in keys:
+            block = self.blocks.get(key)
+            if block is not None:
+                self._unpin(block)
+
     def _notify_evicted(self, keys: list[StoreKey]) -> None:
+        """Tell every ``on_evict`` callback; one that raises is logged and cannot undo the store's change."""
         for callback in self.on_evict:
-            callback(keys)
+            try:
+                callback(keys)
+            except Exception:
+                log.exception("on_evict callback failed for %d key(s)", len(keys))
 
     # ---- accounting -------------------------------------------------------------------------
 
@@ -484,7 +841,10 @@ class Store:
             if block.on_host:
                 self._free(block.offset, block.size)
             elif self.disk is not None:
-                self.disk.remove(block.key)
+                if not self._unstage(block.key) and block.key in self.disk:
+                    self.disk.remove(block.key)
+        if self.disk is not None and victims:
+            self._disk_work()
         if victims:
             self._notify_evicted([b.key for b in victims])
         return len(victims)
@@ -492,7 +852,10 @@ class Store:
     def close(self) -> None:
         """Release everything (node shutdown); the arena and disk tier are closed by their owner."""
         self.leases.clear()
+        self.reads.clear()
+        self._expiries.clear()
         self.reservations.clear()
         self.reserved_keys.clear()
         self.blocks.clear()
         self._heap.clear()
+        self._staging.clear()

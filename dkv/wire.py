@@ -19,7 +19,16 @@ Handshake::
 
 Ops after the handshake (each answered by ``{"ok": true, ...}`` or
 ``{"ok": false, "code": str, "msg": str}``): ``lookup``, ``probe``, ``read``,
-``write``, ``commit``, ``abort``, ``touch``, ``release``, ``stats``, ``clear``.
+``done``, ``write``, ``commit``, ``abort``, ``touch``, ``release``, ``stats``,
+``clear``.
+
+Reads pin for themselves: a ``read`` takes its own pins on its blocks (and,
+with ``end``, ends its lease at once), held until the bytes have left. On the
+listener path that is when the node's sends finish; on the same-host path
+(``shm``) the reply carries the slots' offsets and a ``read`` id, the client
+copies out of the mapped arena and then sends ``{"op": "done", "read": id}``,
+answered ``{"intact": bool}``: False when the read's pins had already ended
+(read TTL, or a reconnect), so the copy may be torn and must be discarded.
 """
 
 from __future__ import annotations
@@ -163,6 +172,7 @@ SCHEMAS: dict[str, dict[str, Callable[[object], bool]]] = {
     "commit": {"write": _is_id},
     "abort": {"write": _is_id},
     "release": {"lease": _is_id},
+    "done": {"read": _is_id},
     "stats": {},
     "clear": {},
 }

@@ -1,4 +1,4 @@
-"""Store logic without I/O: visibility, presence, leases, eviction order, disk spill."""
+"""Store logic without I/O: visibility, presence, leases, eviction order (the disk tier: test_store_disk.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from collections.abc import Iterator
 import pytest
 
 from dkv.arena import PAGE, Arena
-from dkv.disk_tier import DiskTier
 from dkv.errors import LeaseExpired, WriteRejected
 from dkv.store import BUSY, EXISTS, FULL, WRITE, Store, StoreKey
 
@@ -122,7 +121,7 @@ def test_lease_expires_before_read(store: Store, clock: Clock) -> None:
     assert lease is not None
     clock.now += 10.5
     with pytest.raises(LeaseExpired):
-        store.read_plan(lease.lease_id, "c", ks)
+        store.begin_read(lease.lease_id, "c", ks).slots
     assert not store.leases and all(b.pins == 0 for b in store.blocks.values())
 
 
@@ -166,9 +165,9 @@ def test_read_outside_the_lease_is_refused(store: Store) -> None:
     _, lease = store.lookup(NS, h[:1], ["L"], 1, owner="c")
     assert lease is not None
     with pytest.raises(LeaseExpired):
-        store.read_plan(lease.lease_id, "c", keys(h))
+        store.begin_read(lease.lease_id, "c", keys(h)).slots
     with pytest.raises(LeaseExpired):
-        store.read_plan(lease.lease_id, "someone-else", keys(h[:1]))
+        store.begin_read(lease.lease_id, "someone-else", keys(h[:1])).slots
 
 
 def test_leased_blocks_are_never_evicted(store: Store) -> None:
@@ -178,7 +177,7 @@ def test_leased_blocks_are_never_evicted(store: Store) -> None:
     for i in range(3):  # 8 slots: 4 pinned, the rest churns
         put(store, keys(chain(4, bytes([i + 1]))))
     assert all(k in store.blocks for k in held)
-    assert lease is not None and store.read_plan(lease.lease_id, "c", held)
+    assert lease is not None and store.begin_read(lease.lease_id, "c", held).slots
     store.end_lease(lease.lease_id)
 
 
@@ -229,7 +228,7 @@ def test_read_stamps_the_loaded_blocks(store: Store) -> None:
     put(store, keys(chain(2, b"o")))
     _, lease = store.lookup(NS, h, ["L"], 1, owner="c")
     assert lease is not None
-    store.read_plan(lease.lease_id, "c", keys(h))
+    store.begin_read(lease.lease_id, "c", keys(h)).slots
     store.end_lease(lease.lease_id)
     gone = _eviction_order(store, 6)
     assert {k.hash for k in gone[:2]} == set(chain(2, b"o"))
@@ -248,7 +247,7 @@ def test_zero_byte_blocks_own_no_slot(store: Store) -> None:
     assert store.host_bytes()[0] == 8 * BLOCK
     _, lease = store.lookup(NS, chain(3), ["L"], 1, owner="c")
     assert lease is not None
-    assert [p.size for p in store.read_plan(lease.lease_id, "c", keys(chain(3)))] == [0, 0, 0]
+    assert [p.size for p in store.begin_read(lease.lease_id, "c", keys(chain(3))).slots] == [0, 0, 0]
     store.end_lease(lease.lease_id)
 
 
@@ -257,36 +256,3 @@ def test_clear_drops_unpinned_blocks_of_one_namespace(store: Store) -> None:
     put(store, [StoreKey("other/ns", "L", 0, h) for h in chain(2)])
     assert store.clear(NS) == 2
     assert len(store.blocks) == 2
-
-
-def test_disk_tier_spills_evicted_blocks_and_reads_them_back(arena: Arena, clock: Clock, tmp_path) -> None:
-    disk = DiskTier(str(tmp_path), 4 * BLOCK)
-    store = Store(arena, disk, clock=clock)
-    unpublished: list[StoreKey] = []
-    store.on_evict.append(unpublished.extend)
-    first = keys(chain(4, b"a"))
-    put(store, first)
-    put(store, keys(chain(8, b"b")))  # pushes the first four out to disk
-    assert store.counters.spills == 4 and not unpublished
-    assert store.presence(NS, [k.hash for k in first], ["L"], 1) == {"L": [True] * 4}
-    assert store.disk_bytes() == (0, 4 * BLOCK)
-    masks, lease = store.lookup(NS, [k.hash for k in first], ["L"], 1, owner="c")
-    assert masks == {"L": [True] * 4} and lease is not None
-    plans = store.read_plan(lease.lease_id, "c", first)
-    for key, plan in zip(first, plans):
-        assert bytes(arena.slot(plan.offset, plan.size)) == bytes([key.hash[-1]]) * BLOCK
-    store.end_lease(lease.lease_id)
-    assert store.counters.disk_hits == 4
-    disk.clear()
-
-
-def test_disk_tier_drops_its_oldest_when_full_and_unpublishes(arena: Arena, clock: Clock, tmp_path) -> None:
-    disk = DiskTier(str(tmp_path), 2 * BLOCK)
-    store = Store(arena, disk, clock=clock)
-    unpublished: list[StoreKey] = []
-    store.on_evict.append(unpublished.extend)
-    put(store, keys(chain(8, b"a")))
-    put(store, keys(chain(4, b"b")))
-    assert store.counters.spills == 4 and store.counters.disk_drops == 2
-    assert len(unpublished) == 2 and len(store.blocks) == 10
-    disk.clear()

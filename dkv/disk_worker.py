@@ -1,0 +1,260 @@
+"""The node's disk mover: one thread for all file I/O, and the task that writes the store's spills.
+
+DESIGN §6: the store decides, the server moves — including disk. The store
+queues spills (:meth:`dkv.store.Store.take_spill`) and plans promotion reads
+(:meth:`dkv.store.Store.disk_reads`); :class:`DiskWorker` runs the file I/O on
+one daemon thread (:class:`DiskThread`) and reports every outcome back to the
+store on the event-loop thread, so the disk tier's accounting only ever
+changes there. The thread only opens, writes, renames, reads and unlinks.
+
+Everything is bounded: staging memory (the store's), the bytes promotion reads
+hold at once, how long a lookup waits for its reads, and how long shutdown
+waits for a stuck disk. The thread is a daemon, so a write that never returns
+cannot keep the node's process from exiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from dkv.disk_tier import DiskTier
+from dkv.store import Promoted, Store, StoreKey
+
+log = logging.getLogger(__name__)
+
+DEFAULT_READ_TIMEOUT = 2.0  # a lookup waits this long for its reads, then promotes nothing
+DEFAULT_CLOSE_TIMEOUT = 5.0  # shutdown waits this long for the disk thread's last work
+
+
+class DiskThread:
+    """One daemon thread that runs submitted calls one at a time, urgent ones (reads, unlinks) first.
+
+    :meth:`submit` may be called from any thread and returns a
+    :class:`concurrent.futures.Future`; a call cancelled before it started
+    never runs. After :meth:`close` new calls fail at once.
+    """
+
+    def __init__(self, name: str = "dkv-disk-io") -> None:
+        self._cond = threading.Condition()
+        self._urgent: deque[tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple[Any, ...]]] = deque()
+        self._normal: deque[tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple[Any, ...]]] = deque()
+        self._closing = False
+        self._exited: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, fn: Callable[..., Any], *args: Any, urgent: bool = False) -> concurrent.futures.Future[Any]:
+        """Queue ``fn(*args)``; its future holds the result or the exception."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._cond:
+            if self._closing:
+                future.set_exception(RuntimeError("the disk thread is closed"))
+                return future
+            (self._urgent if urgent else self._normal).append((future, fn, args))
+            self._cond.notify()
+        return future
+
+    def close(self) -> concurrent.futures.Future[None]:
+        """Take no more work; the thread exits once what is queued has run. Returns a future set then."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        return self._exited
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._urgent and not self._normal and not self._closing:
+                        self._cond.wait()
+                    if self._urgent:
+                        future, fn, args = self._urgent.popleft()
+                    elif self._normal:
+                        future, fn, args = self._normal.popleft()
+                    else:
+                        return
+                if not future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    result = fn(*args)
+                except BaseException as exc:  # handed to the waiter, never lost
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result)
+        finally:
+            self._exited.set_result(None)
+
+
+class DiskWorker:
+    """Moves a store's disk-tier bytes off the event loop: spill writes, promotion reads, unlinks.
+
+    Owned by the node server: :meth:`start` in its ``start``, :meth:`stop`
+    in its ``stop`` (after the store is closed). All methods run on the
+    event-loop thread.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        read_budget: int | None = None,
+        read_timeout: float = DEFAULT_READ_TIMEOUT,
+        close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
+    ) -> None:
+        if store.disk is None:
+            raise ValueError("a DiskWorker needs a store with a disk tier")
+        self._store = store
+        self._disk: DiskTier = store.disk
+        # bytes all in-flight promotion reads may hold together (default: as much as staging holds)
+        self._read_budget = store.staging_bytes if read_budget is None else read_budget
+        self.read_timeout = read_timeout  # seconds a lookup waits for its reads (adjustable)
+        self._close_timeout = close_timeout
+        self._reading = 0  # bytes held by promotion reads in flight
+        self._thread: DiskThread | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._wakeup = asyncio.Event()
+        self._errors = 0
+        self._stopped = False
+
+    def start(self) -> None:
+        """Start the disk thread and the spill task (on the running loop)."""
+        if self._thread is not None:
+            return
+        self._thread = DiskThread()
+        self._store.on_spill.append(self._wakeup.set)
+        self._task = asyncio.create_task(self._spill_forever(), name="dkv-spill")
+
+    async def stop(self) -> bool:
+        """Stop the spill task, then remove the tier's directory on the disk thread.
+
+        Waits at most ``close_timeout`` for the thread (queued writes, then
+        the removal). Returns False when it was still busy — a stuck disk: the
+        daemon thread is left behind and the directory may remain. Idempotent.
+        """
+        if self._stopped:
+            return True
+        self._stopped = True
+        with contextlib.suppress(ValueError):
+            self._store.on_spill.remove(self._wakeup.set)
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        thread, self._thread = self._thread, None
+        if thread is None:  # never started: nothing is queued, and no thread to wait for
+            self._disk.clear()
+            return True
+        thread.submit(self._disk.clear)
+        exited = asyncio.wrap_future(thread.close())
+        try:
+            await asyncio.wait_for(asyncio.shield(exited), self._close_timeout)
+        except asyncio.TimeoutError:
+            log.warning("the disk thread is still busy after %.1f s (stuck disk?); leaving it behind",
+                        self._close_timeout)
+            return False
+        return True
+
+    async def promotions(
+        self, namespace: str, hashes: Sequence[bytes], leaves: Sequence[str], shards: int
+    ) -> dict[StoreKey, Promoted]:
+        """Read the on-disk blocks a leased lookup of these hashes could promote, off the event loop.
+
+        Returns the bytes read, for ``Store.lookup(promoted=...)``. A failed
+        read is reported to the store (the block is dropped). Bounded: all
+        reads in flight hold at most ``read_budget`` bytes (what does not fit
+        is not read), and a lookup waits at most ``read_timeout`` (then it
+        promotes nothing; the reads finish in the background, their bytes
+        discarded). Raises nothing but cancellation.
+        """
+        thread = self._thread
+        if thread is None:
+            return {}
+        budget = self._read_budget - self._reading
+        reads = self._store.disk_reads(namespace, hashes, leaves, shards, budget) if budget > 0 else []
+        if not reads:
+            return {}
+        size = sum(r.entry.size for r in reads)
+        self._reading += size
+        future = asyncio.wrap_future(
+            thread.submit(_read_files, self._disk, [(r.entry.path, r.entry.size) for r in reads], urgent=True))
+        future.add_done_callback(lambda _: self._read_done(size))
+        try:
+            results = await asyncio.wait_for(asyncio.shield(future), self.read_timeout)
+        except asyncio.TimeoutError:
+            self._store.counters.disk_read_timeouts += 1
+            return {}
+        except Exception:  # the thread is closed: nothing to promote
+            return {}
+        promoted: dict[StoreKey, Promoted] = {}
+        for read, result in zip(reads, results):
+            if isinstance(result, BaseException):
+                self._log_error("promotion read", read.entry.path, result)
+                self._store.disk_read_failed(read, result)
+            else:
+                promoted[read.key] = Promoted(read.entry, result)
+        return promoted
+
+    @property
+    def reading_bytes(self) -> int:
+        """Bytes held by promotion reads in flight (late ones included)."""
+        return self._reading
+
+    def _read_done(self, size: int) -> None:
+        self._reading -= size
+
+    async def _spill_forever(self) -> None:
+        store, disk = self._store, self._disk
+        while True:
+            thread = self._thread
+            assert thread is not None
+            try:
+                garbage = disk.take_garbage()
+                if garbage:
+                    thread.submit(disk.unlink_files, garbage, urgent=True)
+                job = store.take_spill()
+                if job is None:
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                try:
+                    await asyncio.wrap_future(thread.submit(disk.write_file, job.entry.path, job.data))
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    self._log_error("spill write", job.entry.path, exc)
+                    store.finish_spill(job, exc)
+                else:
+                    store.finish_spill(job)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug must not stop every later spill
+                log.exception("spill task error")
+                await asyncio.sleep(0.1)
+
+    def _log_error(self, what: str, path: str, exc: BaseException) -> None:
+        self._errors += 1
+        if self._errors == 1 or self._errors % 100 == 0:
+            log.warning("disk tier %s failed (%d so far; the block is dropped): %s: %s",
+                        what, self._errors, path, exc)
+
+
+def _read_files(disk: DiskTier, items: list[tuple[str, int]]) -> list[bytearray | Exception]:
+    """Read each ``(path, size)``; a failure becomes that item's result (disk thread)."""
+    out: list[bytearray | Exception] = []
+    for path, size in items:
+        try:
+            out.append(disk.read_file(path, size))
+        except Exception as exc:
+            out.append(exc)
+    return out

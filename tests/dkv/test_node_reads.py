@@ -1,0 +1,148 @@
+"""A read's bytes never change under it: real node processes, both paths.
+
+The lease that let a read start can end while the read's bytes are still
+moving (the client's next lookup of the same group, the TTL, the lease limit,
+a release). Each test starts a multi-MiB read, holds it in flight, ends its
+lease from another request, refills the pool with other writes, then lets
+the read finish: the bytes must be exact (or the read must fail), never
+another block's.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+from dkv.arena import ArenaInfo, open_mapping
+from dkv.errors import ReadNotIntact
+from dkv.hostid import host_id
+from dkv.keys import BlockKey
+from dkv.transport import connect
+from dkv.units import parse_address
+from dkv.wire import PROTOCOL_VERSION
+from tests.conftest import NAMESPACE, OnUcx, on_ucx
+
+BLOCK = 4 * 2**20
+POOL = "64MiB"  # 16 blocks
+HELD = 8
+
+
+async def _raw_session(address: str, client: str) -> tuple[Any, dict[str, Any]]:
+    """A raw connection past the handshake as client id ``client``; returns it and the node's hello reply."""
+
+    async def handshake() -> tuple[Any, dict[str, Any]]:
+        conn = await connect(*parse_address(address))
+        assert (await conn.recv_message())["t"] == "challenge"
+        await conn.send_message({"op": "hello", "v": PROTOCOL_VERSION, "ns": NAMESPACE, "client": client,
+                                 "proof": None, "host": host_id()})
+        reply = await conn.recv_message()
+        assert reply["ok"] is True
+        return conn, reply
+
+    conn, reply = await on_ucx(handshake())
+    return OnUcx(conn), reply
+
+
+async def _request(conn: Any, message: dict[str, Any]) -> dict[str, Any]:
+    await conn.send_message(message)
+    reply = await conn.recv_message()
+    assert reply["ok"] is True, reply
+    return reply
+
+
+async def _stored_blocks(writer: Any) -> tuple[list[bytes], list[bytes]]:
+    hashes = [os.urandom(32) for _ in range(HELD)]
+    data = [os.urandom(BLOCK) for _ in range(HELD)]
+    result = await writer.write([BlockKey("L", 0, h) for h in hashes], data)
+    assert result.stored == HELD
+    return hashes, data
+
+
+async def _start_read(node_address: str, hashes: list[bytes], *, shm: bool) -> tuple[Any, dict, dict]:
+    reader, hello = await _raw_session(node_address, client="reader")
+    found = await _request(reader, {"op": "lookup", "hashes": hashes, "leaves": ["L"], "shards": 1,
+                                    "lease": True, "group": 0})
+    assert found["masks"]["L"] == b"\x01" * HELD
+    reply = await _request(reader, {"op": "read", "lease": found["lease"], "keys": [["L", 0, h] for h in hashes],
+                                    "end": False, "shm": shm})
+    return reader, hello, reply
+
+
+async def _end_lease_and_refill(node_address: str, writer: Any) -> list[str]:
+    """The reader's next lookup of the same group ends its lease; then another client fills the whole pool."""
+    other, _ = await _raw_session(node_address, client="reader")
+    await _request(other, {"op": "lookup", "hashes": [os.urandom(32)], "leaves": ["L"], "shards": 1,
+                           "lease": True, "group": 0})
+    await other.close()
+    filler = [BlockKey("L", 0, os.urandom(32)) for _ in range(16)]
+    return (await writer.write(filler, [b"\xee" * BLOCK] * len(filler))).statuses
+
+
+async def test_listener_read_keeps_its_bytes_when_its_lease_ends_and_the_pool_refills(node_factory, clients) -> None:
+    node = node_factory("--pool", POOL)
+    writer = clients(node.address, local=False)
+    hashes, data = await _stored_blocks(writer)
+    reader, _, reply = await _start_read(node.address, hashes, shm=False)
+    assert reply["sizes"] == [BLOCK] * HELD
+    statuses = await _end_lease_and_refill(node.address, writer)  # the node is sending meanwhile
+    dests = [bytearray(BLOCK) for _ in range(HELD)]
+    await reader.recv_payloads(dests)
+    await reader.close()
+    torn = [i for i, (got, want) in enumerate(zip(dests, data)) if got != want]
+    assert not torn, f"blocks {torn} of the read changed under it (refill statuses {statuses})"
+
+
+async def test_same_host_read_keeps_its_bytes_until_done_whatever_its_lease_does(node_factory, clients) -> None:
+    node = node_factory("--pool", POOL)
+    writer = clients(node.address, local=False)
+    hashes, data = await _stored_blocks(writer)
+    reader, hello, reply = await _start_read(node.address, hashes, shm=True)
+    await _end_lease_and_refill(node.address, writer)
+    mapping = open_mapping(ArenaInfo(hello["arena"]["name"], int(hello["arena"]["size"])))
+    assert mapping is not None, "the test runs on the node's host"
+    try:
+        copied = [bytes(mapping.slot(off, size)) for off, size in zip(reply["offsets"], reply["sizes"])]
+    finally:
+        mapping.close()
+    torn = [i for i, (got, want) in enumerate(zip(copied, data)) if got != want]
+    assert not torn, f"blocks {torn} were rewritten while the same-host client was still copying them"
+    done = await _request(reader, {"op": "done", "read": reply["read"]})
+    assert done["intact"] is True
+    await reader.close()
+
+
+async def test_same_host_copy_that_outlives_its_read_is_failed_not_delivered(node_factory, clients) -> None:
+    node = node_factory("--pool", POOL, "--read-ttl", "1")
+    writer = clients(node.address, local=False)
+    hashes, data = await _stored_blocks(writer)
+    reader = clients(node.address, local=True)
+    found = await reader.lookup(hashes, ["L"])
+    assert reader.uses_shared_memory
+    mapping = reader._target._arena()  # noqa: SLF001 - slow the copy down past the read's TTL
+    real_slot = mapping.slot
+    calls = []
+
+    def slow_slot(offset: int, nbytes: int) -> memoryview:
+        if not calls:
+            import time
+            time.sleep(2.5)  # on the client's loop: the node's read TTL (1 s) passes meanwhile
+        calls.append(offset)
+        return real_slot(offset, nbytes)
+
+    mapping.slot = slow_slot
+    dests = [bytearray(BLOCK) for _ in range(HELD)]
+    with pytest.raises(ReadNotIntact):
+        await reader.read(found.lease_id, [BlockKey("L", 0, h) for h in hashes], dests)
+    mapping.slot = real_slot
+
+
+async def test_reading_connection_that_closes_mid_read_leaves_no_pin(node_factory, clients) -> None:
+    node = node_factory("--pool", POOL)
+    writer = clients(node.address, local=False)
+    hashes, _ = await _stored_blocks(writer)
+    reader, _, reply = await _start_read(node.address, hashes, shm=True)
+    assert "read" in reply
+    reader.abort()  # never sends done: the node drops the read's pins with the connection
+    # node_factory's teardown requires no lease, reservation or pinned block left

@@ -1,0 +1,148 @@
+"""Reads pin for themselves: a read's blocks stay put until its bytes have left, whatever its lease does.
+
+Store logic only (the node-level tests are in ``test_node_reads.py``); also the
+bounds on the store's own book-keeping (expiry and recency structures).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dkv.errors import LeaseExpired
+from dkv.store import FULL, HEAP_SLACK, WRITE, Store
+from tests.dkv.test_store import BLOCK, NS, Clock, arena, chain, clock, keys, put, store  # noqa: F401 - fixtures
+
+
+def _fill_with_other_writes(store: Store, n: int = 8) -> list[str]:
+    """Try to write ``n`` fresh blocks in one write (the pool holds 8): returns their statuses."""
+    return put(store, keys(chain(n, b"other")), owner="other")
+
+
+def _slot_bytes(store: Store, plan) -> bytes:
+    return bytes(store.arena.slot(plan.offset, plan.size))
+
+
+def test_next_lookup_of_the_same_group_cannot_let_a_read_be_overwritten(store: Store) -> None:
+    held = keys(chain(4, b"r"))
+    put(store, held)
+    _, lease = store.lookup(NS, [k.hash for k in held], ["L"], 1, owner="c", group=0)
+    assert lease is not None
+    read = store.begin_read(lease.lease_id, "c", held, reader="conn:1")
+    before = [_slot_bytes(store, p) for p in read.slots]
+    store.lookup(NS, chain(1, b"miss"), ["L"], 1, owner="c", group=0)  # ends the first lease
+    assert lease.lease_id not in store.leases
+    statuses = _fill_with_other_writes(store)
+    assert statuses.count(FULL) == 4, "the read's four blocks must stay pinned"
+    assert [_slot_bytes(store, p) for p in read.slots] == before
+    assert store.end_read(read.read_id) is True
+    assert store.pinned_blocks == 0
+    assert put(store, keys(chain(8, b"more")), owner="other").count(WRITE) == 8  # unpinned now: evictable
+
+
+def test_lease_ttl_passing_during_a_read_keeps_the_read_pinned(store: Store, clock: Clock) -> None:
+    held = keys(chain(2, b"t"))
+    put(store, held)
+    _, lease = store.lookup(NS, [k.hash for k in held], ["L"], 1, owner="c")
+    assert lease is not None
+    read = store.begin_read(lease.lease_id, "c", held, reader="conn:1")
+    clock.now += 10.5  # past the lease TTL, not the read TTL
+    store.expire()
+    assert not store.leases
+    assert all(store.blocks[k].pins == 1 for k in held)
+    assert store.end_read(read.read_id) is True
+
+
+def test_read_that_outlived_its_ttl_is_reported_not_intact(arena, clock: Clock) -> None:
+    store = Store(arena, clock=clock, lease_ttl=10.0, read_ttl=2.0)
+    held = keys(chain(2, b"x"))
+    put(store, held)
+    _, lease = store.lookup(NS, [k.hash for k in held], ["L"], 1, owner="c")
+    assert lease is not None
+    read = store.begin_read(lease.lease_id, "c", held, reader="conn:1")
+    store.end_lease(lease.lease_id)
+    clock.now += 2.5
+    store.expire()
+    assert store.counters.reads_expired == 1 and store.pinned_blocks == 0
+    assert store.end_read(read.read_id) is False
+
+
+def test_reading_connection_that_vanishes_drops_its_read_pins(store: Store) -> None:
+    held = keys(chain(2, b"v"))
+    put(store, held)
+    _, lease = store.lookup(NS, [k.hash for k in held], ["L"], 1, owner="client:c")
+    assert lease is not None
+    read = store.begin_read(lease.lease_id, "client:c", held, reader="conn:7")
+    store.end_lease(lease.lease_id)
+    store.drop_owner("conn:7")
+    assert not store.reads and store.pinned_blocks == 0
+    assert store.end_read(read.read_id) is False
+
+
+def test_refused_read_pins_nothing(store: Store) -> None:
+    h = chain(2, b"n")
+    put(store, keys(h))
+    _, lease = store.lookup(NS, h[:1], ["L"], 1, owner="c")
+    assert lease is not None
+    with pytest.raises(LeaseExpired):
+        store.begin_read(lease.lease_id, "c", keys(h))
+    assert not store.reads and store.pinned_blocks == 1  # the lease's one pin only
+    store.end_lease(lease.lease_id)
+    assert store.pinned_blocks == 0
+
+
+def test_duplicate_keys_in_one_read_pin_once_and_unpin_once(store: Store) -> None:
+    k = keys(chain(1, b"d"))
+    put(store, k)
+    _, lease = store.lookup(NS, [k[0].hash], ["L"], 1, owner="c")
+    assert lease is not None
+    read = store.begin_read(lease.lease_id, "c", k * 3)
+    assert len(read.slots) == 3
+    store.end_lease(lease.lease_id)
+    assert store.blocks[k[0]].pins == 1
+    store.end_read(read.read_id)
+    assert store.blocks[k[0]].pins == 0 and store.pinned_blocks == 0
+
+
+# ---- book-keeping stays bounded by what is live ----------------------------------------------
+
+
+def test_recency_heap_does_not_grow_with_every_read_served(store: Store) -> None:
+    held = keys(chain(4, b"h"))
+    put(store, held)
+    for _ in range(3000):  # 12 000 restamps of 4 live blocks
+        _, lease = store.lookup(NS, [k.hash for k in held], ["L"], 1, owner="c")
+        assert lease is not None
+        store.end_read(store.begin_read(lease.lease_id, "c", held).read_id)
+        store.end_lease(lease.lease_id)
+    assert len(store._heap) <= 2 * len(store.blocks) + HEAP_SLACK + 1  # noqa: SLF001
+
+
+def test_expiry_book_holds_only_what_may_still_expire(store: Store, clock: Clock) -> None:
+    held = keys(chain(2, b"e"))
+    put(store, held)
+    for _ in range(5000):
+        _, lease = store.lookup(NS, [k.hash for k in held], ["L"], 1, owner="c")
+        assert lease is not None
+        store.end_lease(lease.lease_id)
+        clock.now += 0.01  # 50 s in all: five lease TTLs
+    store.expire()
+    # only the grants of the last lease TTL (10 s = 1 000 grants) may still be waiting
+    assert len(store._expiries) <= 1001 + 2  # noqa: SLF001
+    assert store.pinned_blocks == 0
+
+
+def test_pinned_block_count_is_kept_as_pins_change(store: Store) -> None:
+    ks = keys(chain(3, b"p"))
+    put(store, ks)
+    _, a = store.lookup(NS, [k.hash for k in ks], ["L"], 1, owner="c", group=0)
+    _, b = store.lookup(NS, [k.hash for k in ks[:1]], ["L"], 1, owner="c", group=1)
+    assert a is not None and b is not None
+    assert store.pinned_blocks == 3 == sum(1 for blk in store.blocks.values() if blk.pins > 0)
+    store.end_lease(a.lease_id)
+    assert store.pinned_blocks == 1
+    store.drop_owner("c")
+    assert store.pinned_blocks == 0
+
+
+def test_block_size_constant_is_a_page(store: Store) -> None:
+    assert BLOCK == store.arena.allocator.capacity // 8
