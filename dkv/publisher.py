@@ -16,20 +16,28 @@ in transactions of at most 128 ops every ``flush_interval``.
   the node, its entry is deleted (batched like the puts).
 * **etcd outages**: the queue is bounded (``max_pending``); changes beyond it
   are dropped and counted, and the next flush after etcd answers resynchronises
-  the whole directory from the desired state. A new lease (after a lease loss)
+  this node's entries from the desired state. A new lease (after a lease loss)
   republishes everything.
+* **Costs stay linear**: the queue is ordered by first change and each batch
+  is taken from its front, so a flush of ``n`` changes costs ``O(n)``. A
+  resync reads only this node's own entries: the keys attached to its etcd
+  lease (``LeaseTimeToLive`` with keys) and its own record of what it may
+  have written (on an old lease too), never the whole cluster's directory;
+  should the lease's key list outgrow one gRPC message, the record alone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import islice
 
 from etcd3aio import Etcd3Client
 
-from dkv.etcd import DEFAULT_ETCD_TIMEOUT, MAX_TXN_OPS, Layout, get_prefix
+from dkv.etcd import DEFAULT_ETCD_TIMEOUT, MAX_TXN_OPS, Layout
 from dkv.store import StoreKey
 
 log = logging.getLogger(__name__)
@@ -45,6 +53,7 @@ class PublisherCounters:
     dropped: int = 0
     resyncs: int = 0
     flush_failures: int = 0
+    resyncs_from_record: int = 0  # the lease's key list outgrew one message: reconciled against the record
 
 
 class DirectoryPublisher:
@@ -76,7 +85,11 @@ class DirectoryPublisher:
         self.counters = PublisherCounters()
         self._held: dict[DirKey, int] = {}
         self._announced: set[DirKey] = set()  # desired state
-        self._pending: dict[DirKey, bool] = {}  # True: put, False: delete
+        # True: put, False: delete; in order of first change, coalesced per key, batches taken from the front
+        self._pending: OrderedDict[DirKey, bool] = OrderedDict()
+        # entries of this node that may be in etcd, on this lease or an old one that etcd may still keep:
+        # every put tried, until a delete of it succeeds (bounded by the announced entries plus pending deletes)
+        self._written: set[DirKey] = set()
         self._needs_resync = False
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -155,7 +168,7 @@ class DirectoryPublisher:
             await self._resync()
             return
         while self._pending:
-            batch = list(self._pending.items())[:MAX_TXN_OPS]
+            batch = list(islice(self._pending.items(), MAX_TXN_OPS))  # from the front: O(batch), not O(queue)
             await self._apply(batch)
             for dkey, put in batch:
                 if self._pending.get(dkey) is put:
@@ -183,28 +196,28 @@ class DirectoryPublisher:
     async def _apply(self, batch: Iterable[tuple[DirKey, bool]]) -> None:
         kv = self.client.kv
         ops = []
-        for (namespace, block_hash), put in batch:
-            key = self.layout.block_key(namespace, block_hash, self.node_id)
-            ops.append(kv.txn_op_put(key, self.epoch, lease=self.lease_id or 0) if put else kv.txn_op_delete(key))
+        deleted = []
+        for dkey, put in batch:
+            key = self.layout.block_key(dkey[0], dkey[1], self.node_id)
             if put:
+                ops.append(kv.txn_op_put(key, self.epoch, lease=self.lease_id or 0))
+                self._written.add(dkey)  # before the txn: a put whose answer is lost may still have landed
                 self.counters.puts += 1
             else:
+                ops.append(kv.txn_op_delete(key))
+                deleted.append(dkey)
                 self.counters.deletes += 1
         if ops:
             await kv.txn(compare=[], success=ops, timeout=self.timeout)
             self.counters.txns += 1
+            self._written.difference_update(deleted)
 
     async def _resync(self) -> None:
         """Make etcd hold exactly the desired entries of this node, on the current lease."""
         self.counters.resyncs += 1
         self._needs_resync = False
         try:
-            kvs, _revision = await get_prefix(self.client, self.layout.blocks, keys_only=True, timeout=self.timeout)
-            present: set[DirKey] = set()
-            for item in kvs:
-                parsed = self.layout.parse_block_key(item.key.decode())
-                if parsed is not None and parsed[2] == self.node_id:
-                    present.add((parsed[0], parsed[1]))
+            present = await self._own_entries()
             self._pending.clear()
             changes = [(k, True) for k in self._announced] + [(k, False) for k in present - self._announced]
             for start in range(0, len(changes), MAX_TXN_OPS):
@@ -212,3 +225,37 @@ class DirectoryPublisher:
         except BaseException:
             self._needs_resync = True
             raise
+
+    async def _own_entries(self) -> set[DirKey]:
+        """This node's entries that may be in etcd: the keys attached to its lease, and what it recorded writing.
+
+        One ``LeaseTimeToLive`` request lists this lease's keys (the member key
+        and this node's entries), never the cluster's whole directory; the
+        record adds what this node wrote on an old lease that etcd may still
+        keep. A list too large for one gRPC message leaves the record alone.
+        """
+        present = set(self._written)
+        assert self.lease_id is not None
+        try:
+            answer = await self.client.lease.time_to_live(self.lease_id, keys=True, timeout=self.timeout)
+        except Exception as exc:
+            if not _too_large(exc):
+                raise
+            self.counters.resyncs_from_record += 1
+            log.info("the lease's key list outgrew one message; resyncing from the record of %d entries",
+                     len(present))
+            return present
+        for raw in answer.keys:
+            parsed = self.layout.parse_block_key(bytes(raw).decode())
+            if parsed is not None and parsed[2] == self.node_id:
+                present.add((parsed[0], parsed[1]))
+        return present
+
+
+def _too_large(exc: BaseException) -> bool:
+    """True for gRPC's RESOURCE_EXHAUSTED: an answer larger than the channel accepts."""
+    code = getattr(exc, "code", None)
+    try:
+        return callable(code) and getattr(code(), "name", "") == "RESOURCE_EXHAUSTED"
+    except Exception:  # noqa: BLE001 - not a gRPC error
+        return False

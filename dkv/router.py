@@ -4,6 +4,16 @@
 watch from the snapshot's revision, so no request ever waits on etcd. If the
 watch falls behind a compaction or breaks, the router reloads a snapshot.
 
+Threads. The index changes on the thread of the loop that runs the router;
+other threads (an engine's scheduler thread, a demo) read it at any time,
+without a lock, through a :class:`_Snapshot` swapped by reference: its member
+table is a read-only mapping replaced whole on every membership change, and a
+reload builds a complete new snapshot before one assignment publishes it, so
+no reader ever sees an empty or half-filled table. The block index inside a
+snapshot changes one key at a time, each value a frozenset that is replaced,
+never changed in place, so every read of it is whole. A reader that keeps a
+mapping (``router.members``) keeps that version of it.
+
 :meth:`Router.route` returns the live peer holding the longest prefix of a
 request's hashes: the deepest hash any live peer announced (with sparse
 publication that is the deepest announced block of the peer's run); ties go
@@ -15,8 +25,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from etcd3aio import Etcd3Client
 
@@ -56,6 +67,63 @@ class ClusterEvent:
     block_hash: bytes = b""
 
 
+Holders = frozenset[str]
+_NOBODY: Holders = frozenset()
+
+
+class _Snapshot:
+    """One version of the cluster as readers see it (see the module docstring on threads).
+
+    ``members`` and ``lease_of`` are never changed once the snapshot is
+    published: a membership change makes a new snapshot (copy-on-write of the
+    small member table) that shares ``index``. ``index`` (namespace -> hash ->
+    holders) and ``entries`` are changed only by the loop thread, one key at a
+    time, each holder set replaced by a new frozenset.
+    """
+
+    __slots__ = ("members", "members_view", "lease_of", "lease_view", "index", "entries", "max_every")
+
+    def __init__(self, members: dict[str, MemberRecord], lease_of: dict[str, int],
+                 index: dict[str, dict[bytes, Holders]], entries: int) -> None:
+        self.members = members
+        self.members_view: Mapping[str, MemberRecord] = MappingProxyType(members)
+        self.lease_of = lease_of
+        self.lease_view: Mapping[str, int] = MappingProxyType(lease_of)
+        self.index = index
+        self.entries = entries
+        # the largest publish_every among members: how many leading hashes a miss must try
+        self.max_every = max((m.publish_every for m in members.values()), default=1)
+
+    def with_members(self, members: dict[str, MemberRecord], lease_of: dict[str, int]) -> _Snapshot:
+        return _Snapshot(members, lease_of, self.index, self.entries)
+
+    def put(self, namespace: str, block_hash: bytes, holder: str) -> bool:
+        """Add an entry (loop thread only); False when it was already there."""
+        by_hash = self.index.get(namespace)
+        if by_hash is None:
+            by_hash = self.index[namespace] = {}
+        holders = by_hash.get(block_hash, _NOBODY)
+        if holder in holders:
+            return False
+        by_hash[block_hash] = holders | {holder}
+        self.entries += 1
+        return True
+
+    def remove(self, namespace: str, block_hash: bytes, holder: str) -> bool:
+        """Remove an entry (loop thread only); False when it was not there."""
+        by_hash = self.index.get(namespace)
+        holders = by_hash.get(block_hash) if by_hash is not None else None
+        if holders is None or holder not in holders:
+            return False
+        rest = holders - {holder}
+        if rest:
+            by_hash[block_hash] = rest  # type: ignore[index]
+        else:
+            del by_hash[block_hash]  # type: ignore[union-attr]
+        self.entries -= 1
+        return True
+
+
 class Router:
     """Watches one cluster's prefix and routes requests to peers (see module docstring)."""
 
@@ -65,10 +133,7 @@ class Router:
         self.layout = layout
         self.timeout = timeout
         self.on_event = on_event
-        self.members: dict[str, MemberRecord] = {}
-        self.lease_of: dict[str, int] = {}
-        self._index: dict[str, dict[bytes, set[str]]] = {}
-        self._entries = 0
+        self._snap = _Snapshot({}, {}, {}, 0)
         self.revision = 0
         self.resyncs = 0
         self._synced = asyncio.Event()
@@ -98,14 +163,37 @@ class Router:
             await asyncio.sleep(0.02)
         return True
 
+    async def reload(self) -> None:
+        """Load a fresh snapshot now, as a broken watch does; readers keep answering from the old one meanwhile.
+
+        A router that follows the watch restarts it from the new snapshot's revision.
+        """
+        following = self._task is not None
+        await self.stop()
+        try:
+            await self._load_snapshot()
+            self.resyncs += 1
+        finally:  # a failed load leaves the old snapshot, and the watch goes on from its revision
+            if following:
+                self._task = asyncio.create_task(self._follow(), name="dkv-router-watch")
+
     async def _load_snapshot(self) -> None:
+        """Build a complete new snapshot aside, then publish it in one assignment."""
         kvs, revision = await get_prefix(self.client, self.layout.root, timeout=self.timeout)
-        self.members.clear()
-        self.lease_of.clear()
-        self._index.clear()
-        self._entries = 0
+        members: dict[str, MemberRecord] = {}
+        lease_of: dict[str, int] = {}
+        fresh = _Snapshot({}, {}, {}, 0)
         for item in kvs:
-            self._apply(PUT, item.key.decode(), item.value, item.lease, quiet=True)
+            key = item.key.decode()
+            node_id = self.layout.parse_node_key(key)
+            if node_id is not None:
+                record = _member(node_id, item.value)
+                if record is not None:
+                    members[node_id] = record
+                    lease_of[node_id] = item.lease
+            elif (parsed := self.layout.parse_block_key(key)) is not None:
+                fresh.put(*parsed)
+        self._snap = fresh.with_members(members, lease_of)
         self.revision = revision
         self._synced.set()
 
@@ -130,58 +218,63 @@ class Router:
                     await self._load_snapshot()
                     self.resyncs += 1
 
-    # ---- index maintenance --------------------------------------------------------------------
+    # ---- index maintenance (the loop thread only) ---------------------------------------------
 
     def _apply(self, kind: int, key: str, value: bytes, lease: int, quiet: bool = False) -> None:
+        snap = self._snap
         node_id = self.layout.parse_node_key(key)
         if node_id is not None:
             if kind == PUT:
-                record = MemberRecord.from_json(value)
-                if record is None or record.node_id != node_id:
+                record = _member(node_id, value)
+                if record is None:
                     return
-                joined = node_id not in self.members
-                self.members[node_id] = record
-                self.lease_of[node_id] = lease
+                joined = node_id not in snap.members
+                self._snap = snap.with_members({**snap.members, node_id: record}, {**snap.lease_of, node_id: lease})
                 self._emit(quiet, ClusterEvent("join" if joined else "update", node_id))
-            elif self.members.pop(node_id, None) is not None:
-                self.lease_of.pop(node_id, None)
+            elif node_id in snap.members:
+                members, lease_of = dict(snap.members), dict(snap.lease_of)
+                del members[node_id]
+                lease_of.pop(node_id, None)
+                self._snap = snap.with_members(members, lease_of)
                 self._emit(quiet, ClusterEvent("leave", node_id))
             return
         parsed = self.layout.parse_block_key(key)
         if parsed is None:
             return
         namespace, block_hash, holder = parsed
-        by_hash = self._index.setdefault(namespace, {})
-        holders = by_hash.get(block_hash)
         if kind == PUT:
-            if holders is None:
-                holders = by_hash[block_hash] = set()
-            if holder not in holders:
-                holders.add(holder)
-                self._entries += 1
+            snap.put(namespace, block_hash, holder)
             self._emit(quiet, ClusterEvent("publish", holder, namespace, block_hash))
-        elif holders is not None and holder in holders:
-            holders.discard(holder)
-            self._entries -= 1
-            if not holders:
-                del by_hash[block_hash]
+        elif snap.remove(namespace, block_hash, holder):
             self._emit(quiet, ClusterEvent("unpublish", holder, namespace, block_hash))
 
     def _emit(self, quiet: bool, event: ClusterEvent) -> None:
         if not quiet and self.on_event is not None:
             self.on_event(event)
 
-    # ---- queries ------------------------------------------------------------------------------
+    # ---- queries (any thread: each takes one snapshot and answers from it) ---------------------
+
+    @property
+    def members(self) -> Mapping[str, MemberRecord]:
+        """Live members by node id: a read-only mapping that never changes once taken."""
+        return self._snap.members_view
+
+    @property
+    def lease_of(self) -> Mapping[str, int]:
+        """Each member's etcd lease: a read-only mapping that never changes once taken."""
+        return self._snap.lease_view
 
     @property
     def entries(self) -> int:
         """Directory entries in the index."""
-        return self._entries
+        return self._snap.entries
 
     def holders(self, namespace: str, block_hash: bytes) -> set[str]:
         """Live peers that announced ``block_hash`` in ``namespace``."""
-        holders = self._index.get(namespace, {}).get(block_hash, set())
-        return {h for h in holders if h in self.members}
+        snap = self._snap
+        members = snap.members
+        holders = snap.index.get(namespace, {}).get(block_hash, _NOBODY)
+        return {h for h in holders if h in members}
 
     def route(self, namespace: str, hashes: Sequence[bytes], *, exclude: Sequence[str] = ()) -> Route:
         """The live peer holding the longest prefix of ``hashes`` (see module docstring).
@@ -191,14 +284,16 @@ class Router:
         is ``k`` lookups, since every run announces one of its first ``k``
         blocks; anything else is one C-speed pass over the hashes.
         """
-        by_hash = self._index.get(namespace)
+        snap = self._snap
+        by_hash = snap.index.get(namespace)
         n = len(hashes)
         if not by_hash or not n:
             return Route(None, 0, namespace, hashes)
-        best = self._best_holder(by_hash.get(hashes[-1]), exclude)
+        members = snap.members
+        best = _best_holder(by_hash.get(hashes[-1]), exclude, members)
         if best is not None:
             return Route(best, n, namespace, hashes)
-        k = min(n, max((m.publish_every for m in self.members.values()), default=1))
+        k = min(n, snap.max_every)
         if not any(map(by_hash.__contains__, hashes[:k])):
             return Route(None, 0, namespace, hashes)
         present = list(map(by_hash.__contains__, hashes))
@@ -209,15 +304,16 @@ class Router:
                 j = present.index(True, start)
             except ValueError:
                 return Route(None, 0, namespace, hashes)
-            best = self._best_holder(by_hash.get(hashes[n - 1 - j]), exclude)
+            best = _best_holder(by_hash.get(hashes[n - 1 - j]), exclude, members)
             if best is not None:
                 return Route(best, n - j, namespace, hashes)
             start = j + 1
 
     def depth_of(self, node_id: str, namespace: str, hashes: Sequence[bytes]) -> int:
         """How deep a prefix of ``hashes`` ``node_id`` announced (0 if none, or if it is not live)."""
-        by_hash = self._index.get(namespace)
-        if not by_hash or node_id not in self.members:
+        snap = self._snap
+        by_hash = snap.index.get(namespace)
+        if not by_hash or node_id not in snap.members:
             return 0
         for i in range(len(hashes) - 1, -1, -1):
             holders = by_hash.get(hashes[i])
@@ -225,13 +321,20 @@ class Router:
                 return i + 1
         return 0
 
-    def _best_holder(self, holders: set[str] | None, exclude: Sequence[str]) -> MemberRecord | None:
-        """Least used live holder, then smallest node id; ``None`` when no holder is live."""
-        if not holders:
-            return None
-        members = self.members
-        live = [members[h] for h in holders if h in members and h not in exclude]
-        return min(live, key=lambda m: (m.host_used, m.node_id)) if live else None
+
+def _best_holder(holders: Holders | None, exclude: Sequence[str],
+                 members: dict[str, MemberRecord]) -> MemberRecord | None:
+    """Least used live holder, then smallest node id; ``None`` when no holder is live."""
+    if not holders:
+        return None
+    live = [members[h] for h in holders if h in members and h not in exclude]
+    return min(live, key=lambda m: (m.host_used, m.node_id)) if live else None
+
+
+def _member(node_id: str, value: bytes) -> MemberRecord | None:
+    """The member record a node key holds, ``None`` when it is not one for this node id."""
+    record = MemberRecord.from_json(value)
+    return record if record is not None and record.node_id == node_id else None
 
 
 class _Resync(Exception):
