@@ -17,6 +17,7 @@ Every public coroutine is bounded by ``timeout``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -25,16 +26,27 @@ from typing import Any, TypeVar
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
 
 from dkv.arena import ArenaInfo, ArenaMapping, open_mapping
-from dkv.errors import AuthError, ProtocolError, RemoteError, TransportError, remote_error
+from dkv.errors import (
+    AuthError,
+    DKVError,
+    ProtocolError,
+    ReadNotIntact,
+    RemoteError,
+    TransportError,
+    remote_error,
+)
 from dkv.hostid import host_id
 from dkv.keys import BlockKey, check_hashes, check_leaf, check_namespace, check_shard
 from dkv.store import WRITE
-from dkv.transport import Connection, connect
+from dkv.transport import Connection, connect, hold_transport, release_transport
 from dkv.units import parse_address
-from dkv.wire import PROTOCOL_VERSION, token_proof
+from dkv.wire import MAX_FRAME, MAX_KEYS, MAX_LEAVES, PROTOCOL_VERSION, encode_body, token_proof
 
 T = TypeVar("T")
 DEFAULT_TIMEOUT = 10.0
+# The limits a node announces in its handshake, and the wire's own bounds used when it names none.
+WIRE_LIMITS = {"max_keys": MAX_KEYS, "max_frame": MAX_FRAME, "max_leaves": MAX_LEAVES}
+FRAME_SLACK = 64  # bytes kept free in every estimated frame (array/map headers that grow with a count)
 
 
 @dataclass(frozen=True)
@@ -120,16 +132,23 @@ class NodeClient:
         self.retries = retries
         self._pool_size = pool_size
         self._idle: list[_Session] = []
+        self._sessions: set[_Session] = set()  # open connections, idle or in use
+        self.lease_generation = 0  # moves on each time this client is left with no open connection
         self._open = 0
         self._slots = asyncio.Semaphore(pool_size)
         self._mapping: ArenaMapping | None = None
         self._mapping_checked = False
         self.info: NodeInfo | None = None
         self._closed = False
+        self._holds_transport = False  # counted as a user of UCX from the first connection until close
+        self._busy = 0  # sessions checked out of the pool
 
     # ---- connection pool ------------------------------------------------------------------
 
     async def _open_session(self) -> _Session:
+        if not self._holds_transport:
+            hold_transport()
+            self._holds_transport = True
         conn = await connect(self.host, self.port, min(self.timeout, 5.0))
         try:
             challenge = await conn.recv_message(self.timeout)
@@ -165,10 +184,16 @@ class NodeClient:
         except TimeoutError as exc:
             raise TransportError(f"no free connection to {self.address} within {self.timeout}s") from exc
         session = None
+        self._busy += 1
         try:
             session = self._idle.pop() if self._idle else None
-            if session is None or session.conn.closed:
+            if session is not None and session.conn.closed:
+                session.conn.abort()  # closed by the peer while idle: still ours to release
+                self._lost(session)
+                session = None
+            if session is None:
                 session = await self._open_session()
+                self._sessions.add(session)
             try:
                 result = await fn(session)
             except RemoteError:
@@ -182,14 +207,42 @@ class NodeClient:
         finally:
             if session is not None:
                 session.conn.abort()
+                self._lost(session)
+            self._busy -= 1
             self._slots.release()
+            if self._closed and not self._busy:
+                await self._let_go_of_transport()  # the last call in flight when close() ran
 
     def _return(self, session: _Session) -> None:
         """Back to the pool; after :meth:`close` a session that comes back is closed instead."""
         if self._closed:
             session.conn.abort()
+            self._lost(session)
         elif not session.conn.closed:
             self._idle.append(session)
+        else:
+            session.conn.abort()  # closed by the peer: still ours to release
+            self._lost(session)
+
+    def _lost(self, session: _Session) -> None:
+        """``session`` is closed; when it was this client's last, the node has ended the client's leases."""
+        if session in self._sessions:
+            self._sessions.discard(session)
+            if not self._sessions:
+                self.lease_generation += 1
+
+    def leases_lost_since(self, generation: int) -> bool:
+        """True when the node may have ended every lease this client took at ``generation``.
+
+        A node ends a client's leases when the client's last connection closes
+        (and a restarted node holds none): that happened if the generation
+        moved on, or if every connection this client has open is closed now.
+        Safe from any thread (reads only).
+        """
+        if self.lease_generation != generation:
+            return True
+        sessions = tuple(self._sessions)
+        return bool(sessions) and all(s.conn.closed for s in sessions)
 
     async def _call(self, fn: Callable[[_Session], Awaitable[T]], *, idempotent: bool) -> T:
         if not idempotent or self.retries <= 1:
@@ -225,6 +278,23 @@ class NodeClient:
         assert self.info is not None
         return self.info
 
+    def limit(self, name: str) -> int:
+        """The node's announced limit ``name`` (``max_keys``, ``max_frame``, ``max_leaves``), never above the wire's.
+
+        Before the first handshake, or from a node that does not announce it,
+        this is the wire's own bound (:data:`WIRE_LIMITS`).
+        """
+        default = WIRE_LIMITS[name]
+        announced = self.info.limits.get(name) if self.info is not None else None
+        if isinstance(announced, int) and not isinstance(announced, bool) and announced > 0:
+            return min(announced, default)
+        return default
+
+    async def _known_limits(self) -> None:
+        """Handshake once if none happened yet, so that :meth:`limit` answers with the node's own limits."""
+        if self.info is None:
+            await self._call(lambda s: asyncio.sleep(0), idempotent=True)
+
     @property
     def uses_shared_memory(self) -> bool:
         return self._arena() is not None
@@ -237,22 +307,80 @@ class NodeClient:
             raise ValueError(f"shards must be in [1, 64], got {shards}")
         return {"hashes": check_hashes(hashes), "leaves": [check_leaf(x) for x in leaves], "shards": shards}
 
+    async def _presence_requests(self, op: str, hashes: Sequence[bytes], leaves: Sequence[str], shards: int,
+                                 **extra: Any) -> list[tuple[range, dict[str, Any]]]:
+        """The requests a presence op (lookup, probe, touch) takes within the node's limits.
+
+        One per group of at most ``max_leaves`` leaves and run of hashes that
+        fits ``max_keys`` and ``max_frame`` (the request's frame and the masks
+        of its reply), in chain order; each with the range of ``hashes`` it covers.
+        """
+        fields = self._presence_fields(hashes, leaves, shards)
+        await self._known_limits()
+        all_hashes, all_leaves = fields["hashes"], fields["leaves"]
+        hash_bytes = 2 + max((len(h) for h in all_hashes), default=0)  # msgpack bin8: 2 header bytes
+        max_leaves = self.limit("max_leaves")
+        requests = []
+        for start in range(0, max(len(all_leaves), 1), max_leaves):
+            group = all_leaves[start:start + max_leaves]
+            base = {"op": op, "hashes": [], "leaves": group, "shards": shards, **extra}
+            request_fixed = len(encode_body(base))
+            reply_fixed = sum(len(leaf.encode()) + 8 for leaf in group) + 32  # masks: leaf -> bin32 of one byte a hash
+            runs = chunk_ranges(len(all_hashes), max_count=self.limit("max_keys"), max_bytes=self.limit("max_frame"),
+                                item_bytes=max(hash_bytes, len(group)),
+                                fixed_bytes=max(request_fixed, reply_fixed) + FRAME_SLACK)
+            requests += [(run, {**base, "hashes": all_hashes[run.start:run.stop]}) for run in runs]
+        return requests
+
+    async def _presence(self, requests: Sequence[tuple[range, dict[str, Any]]]) -> list[dict[str, Any]]:
+        """Send ``requests`` one after the other (each retried on its own); their replies, in order."""
+        return [await self._request(message, idempotent=True) for _, message in requests]
+
     async def lookup(self, hashes: Sequence[bytes], leaves: Sequence[str], shards: int = 1, *,
                      lease: bool = True, group: int = 0) -> LookupResult:
-        """Presence per leaf; with ``lease``, the node pins what it reports (ends the previous lease of ``group``)."""
-        message = {"op": "lookup", **self._presence_fields(hashes, leaves, shards), "lease": lease, "group": group}
-        reply = await self._request(message, idempotent=True)
-        return LookupResult(_unpack_masks(reply["masks"], len(hashes)), reply.get("lease"))
+        """Presence per leaf; with ``lease``, the node pins what it reports (ends the previous lease of ``group``).
+
+        A leased lookup is one request (one lease): more hashes than the node's
+        ``max_keys``, more leaves than its ``max_leaves``, or a request over its
+        ``max_frame`` is refused with ``ValueError`` before anything is sent.
+        An unleased one is split like :meth:`probe`.
+        """
+        requests = await self._presence_requests("lookup", hashes, leaves, shards, lease=lease, group=group)
+        if lease and len(requests) > 1:
+            raise ValueError(self._unsplittable("a leased lookup", len(hashes), len(leaves)))
+        masks: dict[str, list[bool]] = {}
+        lease_id = None
+        for (run, _), reply in zip(requests, await self._presence(requests)):
+            _merge_masks(masks, _unpack_masks(reply["masks"], len(run)))
+            lease_id = reply.get("lease")
+        return LookupResult(masks, lease_id)
+
+    def _unsplittable(self, what: str, hashes: int, leaves: int) -> str:
+        if hashes > self.limit("max_keys"):
+            over = f"{hashes} hashes exceed the node's max_keys ({self.limit('max_keys')})"
+        elif leaves > self.limit("max_leaves"):
+            over = f"{leaves} leaves exceed the node's max_leaves ({self.limit('max_leaves')})"
+        else:
+            over = f"{hashes} hashes x {leaves} leaves exceed the node's max_frame ({self.limit('max_frame')} bytes)"
+        return f"{what} cannot be split across requests (one lease), and {over}"
 
     async def probe(self, hashes: Sequence[bytes], leaves: Sequence[str], shards: int = 1) -> dict[str, list[bool]]:
-        """Presence per leaf without a lease."""
-        reply = await self._request({"op": "probe", **self._presence_fields(hashes, leaves, shards)}, idempotent=True)
-        return _unpack_masks(reply["masks"], len(hashes))
+        """Presence per leaf without a lease (in several requests when one cannot carry it all)."""
+        requests = await self._presence_requests("probe", hashes, leaves, shards)
+        masks: dict[str, list[bool]] = {}
+        for (run, _), reply in zip(requests, await self._presence(requests)):
+            _merge_masks(masks, _unpack_masks(reply["masks"], len(run)))
+        return masks
 
     async def touch(self, hashes: Sequence[bytes], leaves: Sequence[str], shards: int = 1) -> int:
-        """Refresh recency of the held blocks among ``hashes`` (pass the whole chain from its root)."""
-        reply = await self._request({"op": "touch", **self._presence_fields(hashes, leaves, shards)}, idempotent=True)
-        return int(reply["found"])
+        """Refresh recency of the held blocks among ``hashes`` (pass the whole chain from its root).
+
+        When one request cannot carry it all, the runs go deepest first, so the
+        root's run gets the newest stamp and the chain still evicts deepest first.
+        """
+        requests = await self._presence_requests("touch", hashes, leaves, shards)
+        replies = await self._presence(requests[::-1])
+        return sum(int(reply["found"]) for reply in replies)
 
     async def release(self, lease_id: int) -> bool:
         """End a lease (abandon). Returns False when the node no longer held it."""
@@ -272,11 +400,43 @@ class NodeClient:
         Each destination must be exactly the block's size. All or nothing from
         the caller's view: on any error some destinations may hold partial data
         and must not be used; nothing writes into them after this raises.
+
+        The node pins what the read moves for the read itself, so the bytes
+        cannot change under it even when the lease ends meanwhile; a same-host
+        copy that outlived its read's pins raises :class:`ReadNotIntact`. More
+        keys than one request may carry (the node's ``max_keys``/``max_frame``)
+        are read in several requests under the same lease, which the last one
+        ends (with ``end_lease``).
         """
         if len(keys) != len(dests):
             raise ValueError("read: one destination per key")
         views = [_byte_view(d) for d in dests]
         wire_keys = _wire_keys(keys)
+        runs = await self._key_runs(wire_keys, extra_per_key=0,
+                                    base={"op": "read", "lease": lease_id, "keys": [], "end": True, "shm": True})
+        for i, run in enumerate(runs):
+            await self._read_run(lease_id, wire_keys[run.start:run.stop], views[run.start:run.stop],
+                                 end_lease and i == len(runs) - 1)
+
+    async def _key_runs(self, wire_keys: Sequence[list[Any]], *, extra_per_key: int,
+                        base: dict[str, Any]) -> list[range]:
+        """Runs of ``wire_keys`` that each fit one request within the node's ``max_keys`` and ``max_frame``."""
+        await self._known_limits()
+        if len(wire_keys) <= 64:  # far below any limit: skip the estimate
+            return [range(len(wire_keys))]
+        leaf_bytes: dict[str, int] = {}
+        sizes = []
+        for leaf, _shard, h in wire_keys:
+            n = leaf_bytes.get(leaf)
+            if n is None:
+                n = leaf_bytes[leaf] = len(leaf.encode()) + 3  # str header
+            sizes.append(1 + n + 9 + len(h) + 2 + extra_per_key)  # array, leaf, shard (uint64 bound), bin hash
+        return chunk_ranges(len(wire_keys), max_count=self.limit("max_keys"), max_bytes=self.limit("max_frame"),
+                            item_bytes=sizes, fixed_bytes=len(encode_body(base)) + FRAME_SLACK)
+
+    async def _read_run(self, lease_id: int, wire_keys: list[list[Any]], views: list[memoryview],
+                        end_lease: bool) -> None:
+        """One read request (see :meth:`read`)."""
 
         async def run(session: _Session) -> None:
             mapping = self._arena()
@@ -290,23 +450,41 @@ class NodeClient:
             wrong = [(v.nbytes, n) for v, n in zip(views, sizes) if v.nbytes != n]
             if wrong:
                 if mapping is not None:
-                    if end_lease:
-                        await session.request({"op": "release", "lease": lease_id}, self.timeout)
+                    await self._end_read(session, reply)
                 else:
-                    session.conn.abort()  # the node is already sending; it ends the lease when that fails
+                    session.conn.abort()  # the node is already sending; its read ends when that fails
                 raise ValueError(f"destination of {wrong[0][0]} bytes for a block of {wrong[0][1]} bytes")
             if mapping is not None:
-                try:
-                    for view, offset, size in zip(views, reply["offsets"], sizes):
-                        if size:
-                            view[:] = mapping.slot(offset, size)
-                finally:
-                    if end_lease:
-                        await session.request({"op": "release", "lease": lease_id}, self.timeout)
+                await self._copy_out(session, mapping, reply, views)
             else:
                 await session.conn.recv_payloads([v for v in views if v.nbytes], self.timeout)
 
         await self._call(run, idempotent=False)
+
+    async def _copy_out(self, session: _Session, mapping: ArenaMapping, reply: dict[str, Any],
+                        views: Sequence[memoryview]) -> None:
+        """Same-host path: copy a read's slots out of the mapped arena, then end the read.
+
+        The node pins the slots for the read until ``done``; if the pins ended
+        first (the read's TTL), the copy may hold bytes of another block and
+        :class:`ReadNotIntact` is raised: the destinations must be discarded.
+        """
+        try:
+            for view, offset, size in zip(views, reply["offsets"], reply["sizes"]):
+                if size:
+                    view[:] = mapping.slot(offset, size)
+        except BaseException:
+            with contextlib.suppress(DKVError):
+                await self._end_read(session, reply)
+            raise
+        if not await self._end_read(session, reply):
+            raise ReadNotIntact(f"read {reply['read']} on {self.address} ended before its copy finished: "
+                                "the copied bytes may be torn")
+
+    async def _end_read(self, session: _Session, reply: dict[str, Any]) -> bool:
+        """Tell the node a same-host read's bytes are out; True when its pins held throughout."""
+        done = await session.request({"op": "done", "read": reply["read"]}, self.timeout)
+        return done.get("intact") is True
 
     async def write(self, keys: Sequence[BlockKey], sources: Sequence[Any]) -> WriteResult:
         """Store each source buffer under its key (two-phase: reserve, bytes, commit).
@@ -314,11 +492,23 @@ class NodeClient:
         Keys already held or being written by another client are skipped
         (``exists``/``busy``). The blocks become visible only once all their
         bytes are in the node; on error nothing of this write is visible.
+        More keys than one request may carry are written in several
+        two-phase writes, one after the other; on an error, the runs written
+        before it stay (each block is whole), the failing one leaves nothing.
         """
         if len(keys) != len(sources):
             raise ValueError("write: one source per key")
         views = [_byte_view(s) for s in sources]
         wire_keys = _wire_keys(keys)
+        runs = await self._key_runs(wire_keys, extra_per_key=9,
+                                    base={"op": "write", "keys": [], "sizes": [], "shm": True})
+        statuses: list[str] = []
+        for run in runs:
+            statuses += (await self._write_run(wire_keys[run.start:run.stop], views[run.start:run.stop])).statuses
+        return WriteResult(statuses)
+
+    async def _write_run(self, wire_keys: list[list[Any]], views: list[memoryview]) -> WriteResult:
+        """One two-phase write (see :meth:`write`)."""
 
         async def run(session: _Session) -> WriteResult:
             mapping = self._arena()
@@ -345,19 +535,69 @@ class NodeClient:
         return await self._call(run, idempotent=False)
 
     async def close(self) -> None:
-        """Close every pooled connection (the node drops this client's leases). Idempotent."""
+        """Close every pooled connection (the node drops this client's leases). Idempotent.
+
+        The last client of the process to close (on the loop that started UCX,
+        with no other user of it left: see :func:`dkv.transport.release_transport`)
+        also stops UCX's threads, so a script that used it can exit; a call
+        still in flight defers that to its own end.
+        """
         self._closed = True
         sessions, self._idle = self._idle, []
         await asyncio.gather(*(s.conn.close() for s in sessions), return_exceptions=True)
         if self._mapping is not None:
             self._mapping.close()
             self._mapping = None
+        if not self._busy:
+            await self._let_go_of_transport()
+
+    async def _let_go_of_transport(self) -> None:
+        if self._holds_transport:
+            self._holds_transport = False
+            await release_transport()
 
     async def __aenter__(self) -> NodeClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def chunk_ranges(count: int, *, max_count: int, max_bytes: int, item_bytes: int | Sequence[int],
+                 fixed_bytes: int = 0) -> list[range]:
+    """Split items ``0..count-1`` into consecutive ranges, one per request, each within a node's limits.
+
+    Each range holds at most ``max_count`` items, and ``fixed_bytes`` (the
+    message without its items, plus slack) plus the items' encoded bytes stays
+    within ``max_bytes``. ``item_bytes`` is one upper bound for every item, or
+    each item's own. Always at least one range (an empty one for ``count == 0``).
+    ``ValueError`` naming ``max_frame`` when a single item cannot fit.
+    """
+    if max_count < 1:
+        raise ValueError(f"max_keys must be at least 1, got {max_count}")
+    room = max_bytes - fixed_bytes
+    if isinstance(item_bytes, int):
+        if item_bytes > room:
+            raise ValueError(f"one item of {item_bytes} bytes does not fit the max_frame of {max_bytes} bytes")
+        per = max_count if item_bytes <= 0 else min(max_count, room // item_bytes)
+        return [range(start, min(start + per, count)) for start in range(0, count, per)] or [range(0)]
+    if len(item_bytes) != count:
+        raise ValueError("chunk_ranges: one size per item")
+    ranges, start, used = [], 0, 0
+    for i, size in enumerate(item_bytes):
+        if size > room:
+            raise ValueError(f"item {i} of {size} bytes does not fit the max_frame of {max_bytes} bytes")
+        if i - start == max_count or used + size > room:
+            ranges.append(range(start, i))
+            start, used = i, 0
+        used += size
+    ranges.append(range(start, count))
+    return ranges
+
+
+def _merge_masks(into: dict[str, list[bool]], part: dict[str, list[bool]]) -> None:
+    for leaf, mask in part.items():
+        into.setdefault(leaf, []).extend(mask)
 
 
 def _wire_keys(keys: Sequence[BlockKey]) -> list[list[Any]]:

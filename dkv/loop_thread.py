@@ -21,7 +21,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from dkv.transport import init_transport, stop_progress
+from dkv.transport import drop_transport, hold_transport, stop_progress
 
 T = TypeVar("T")
 
@@ -50,13 +50,14 @@ class LoopThread:
             loop.close()
 
     async def _init(self) -> None:
-        init_transport()
+        hold_transport()  # UCX bound to this loop, held until the loop ends (clients closing here never stop it)
 
     async def _drain(self) -> None:
         tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        drop_transport()
         await stop_progress()
 
     @property

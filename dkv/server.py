@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -138,9 +139,12 @@ class NodeServer:
         assert self._listener is not None, "server not started"
         return self._listener.port
 
-    @property
+    @functools.cached_property
     def address(self) -> str:
-        """The address peers should dial (a wildcard listen host is replaced by this host's address)."""
+        """The address peers should dial (a wildcard listen host is replaced by this host's address).
+
+        Resolved once, after the listener started (the host name is not looked up per stats call).
+        """
         host = self.config.host
         if host in ("0.0.0.0", "::", ""):
             host = socket.gethostbyname(socket.gethostname())
@@ -414,7 +418,7 @@ class NodeServer:
                      "shm": self.arena.shm_name, "pinned": self.arena.pinned},
             "disk": {"free": disk_free, "total": disk_total, "used": disk_total - disk_free},
             "blocks": len(store.blocks),
-            "blocks_on_disk": sum(1 for b in store.blocks.values() if not b.on_host),
+            "blocks_on_disk": store.blocks_off_host(),
             "staging": dict(zip(("blocks", "bytes"), store.staging_usage())),
             "leases": len(store.leases),
             "pinned_blocks": store.pinned_blocks,

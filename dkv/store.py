@@ -739,6 +739,10 @@ class Store:
         self.counters.disk_errors += 1
         self._drop_disk_blocks([read.key])
 
+    def blocks_off_host(self) -> int:
+        """Blocks held only off the host pool: staged for a spill or written to disk (no walk over blocks)."""
+        return len(self._staging) + (len(self.disk) if self.disk is not None else 0)
+
     def staging_usage(self) -> tuple[int, int]:
         """``(blocks, bytes)`` held in staging memory (queued or being written)."""
         return len(self._staging), self._staging.used

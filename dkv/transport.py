@@ -11,6 +11,15 @@ Progress mode: see :func:`init_transport`. UCX progress and request
 completion are bound to the loop that initialises UCX, so a process drives
 all its UCX work from one loop (a node's, or :mod:`dkv.loop_thread`'s shared
 one).
+
+Lifetime: UCX runs a progress thread and a (non-daemon) notifier thread, so a
+process that leaves it initialised never exits. Whoever owns the process's UCX
+loop calls :func:`stop_progress` as that loop ends (a node, the shared loop
+thread, a CLI command). Library users need not: clients, loop threads and
+listeners count themselves as users (:func:`hold_transport`,
+:func:`release_transport`), and the last user to leave, on the loop that
+initialised UCX and with no connection left open, stops it. A later user
+initialises it again.
 """
 
 from __future__ import annotations
@@ -18,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -39,6 +50,9 @@ CONNECT_TIMEOUT = 5.0
 CLOSE_PERIOD_NS = 200_000_000
 _initialised = False
 _live: set[Connection] = set()
+_owner_loop: weakref.ReferenceType[asyncio.AbstractEventLoop] | None = None  # the loop that initialised UCX
+_users = 0  # see hold_transport
+_users_lock = threading.Lock()
 
 
 def open_connections() -> int:
@@ -56,9 +70,13 @@ def init_transport(progress_mode: str | None = None) -> None:
     a core busy for as long as any request is pending (an idle server always
     has one); they stay available through ``DKV_UCX_PROGRESS`` for measurement.
     """
-    global _initialised
+    global _initialised, _owner_loop
     if _initialised:
         return
+    try:
+        _owner_loop = weakref.ref(asyncio.get_running_loop())
+    except RuntimeError:  # no loop runs here: ucxx binds to one it makes; never stopped by release_transport
+        _owner_loop = None
     mode = progress_mode or os.environ.get("DKV_UCX_PROGRESS", "thread")
     threaded = mode.startswith("thread")
     ucxx.init(
@@ -69,6 +87,40 @@ def init_transport(progress_mode: str | None = None) -> None:
     _initialised = True
 
 
+def hold_transport() -> None:
+    """Count one user of UCX in this process (initialising it if needed); pair with :func:`release_transport`.
+
+    Users are the clients that opened a connection, the loop threads and the
+    listeners: while any holds it, UCX stays up.
+    """
+    global _users
+    init_transport()
+    with _users_lock:
+        _users += 1
+
+
+def drop_transport() -> None:
+    """Drop one user without stopping UCX (for users whose owner calls :func:`stop_progress` itself)."""
+    global _users
+    with _users_lock:
+        _users = max(0, _users - 1)
+
+
+async def release_transport() -> None:
+    """Drop one user; the last one stops UCX (:func:`stop_progress`) when this is the loop that initialised it.
+
+    UCX is left running while a connection is still open (one opened with
+    :func:`connect` directly is no counted user), or when called from another
+    loop than UCX's own (its threads belong to that loop's owner).
+    """
+    drop_transport()
+    if _users or _live or not _initialised:
+        return
+    owner = _owner_loop() if _owner_loop is not None else None
+    if owner is not None and owner is asyncio.get_running_loop():
+        await stop_progress()
+
+
 async def stop_progress() -> None:
     """Stop driving UCX from the running loop, and shut UCX down for this process (idempotent).
 
@@ -76,7 +128,7 @@ async def stop_progress() -> None:
     shutdown, the shared loop thread's, a CLI command's): the progress and
     notifier threads are stopped, so the interpreter can exit.
     """
-    global _initialised
+    global _initialised, _owner_loop
     orphans = list(_orphaned_handshakes)  # UCX goes down with them, so nothing of theirs lands later
     for handshake in orphans:
         handshake.cancel()
@@ -88,6 +140,7 @@ async def stop_progress() -> None:
     await asyncio.gather(*pending, return_exceptions=True)
     if _initialised:
         _initialised = False
+        _owner_loop = None
         try:
             ucxx.reset()
         except Exception as exc:  # noqa: BLE001 - endpoints still referenced: threads stop anyway
@@ -264,11 +317,14 @@ async def connect(host: str, port: int, timeout: float = CONNECT_TIMEOUT) -> Con
 class Listener:
     """A UCX listener handing each accepted connection to ``handler`` (peer-failure detection on).
 
-    UCX listeners bind every interface; ``port=0`` picks a free port.
+    UCX listeners bind every interface; ``port=0`` picks a free port. An open
+    listener holds the transport (:func:`hold_transport`); closing it lets go
+    without stopping UCX (its server calls :func:`stop_progress` as it ends).
     """
 
     def __init__(self, handler: Callable[[Connection], Awaitable[None]], port: int = 0) -> None:
         init_transport()
+        self._listener: Any = None
         self._handler = handler
         self._count = 0
 
@@ -282,9 +338,11 @@ class Listener:
         # completes it or its endpoint fails (the client died).
         self._listener = ucxx.create_listener(_accept, port=port, endpoint_error_handling=True,
                                               connect_timeout=HANDSHAKE_NEVER_TIMES_OUT)
+        hold_transport()
         self.port: int = self._listener.port
 
     def close(self) -> None:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+            drop_transport()

@@ -10,7 +10,8 @@ import pytest
 
 from dkv.errors import LeaseExpired
 from dkv.store import FULL, HEAP_SLACK, WRITE, Store
-from tests.dkv.test_store import BLOCK, NS, Clock, arena, chain, clock, keys, put, store  # noqa: F401 - fixtures
+from tests.dkv.conftest import Clock
+from tests.dkv.test_store import BLOCK, NS, chain, keys, put
 
 
 def _fill_with_other_writes(store: Store, n: int = 8) -> list[str]:
