@@ -202,6 +202,7 @@ def _run_dkv(config: DemoConfig, progress: _Progress, nodes: list[tuple[str, str
             progress.advance(task)
         counters = {
             "unusable_hints": sum(sum(c.counters.unusable_hints.values()) for c in connectors),
+            "hints_behind_device": sum(c.counters.hints_behind_device for c in connectors),
             "loads_refused": sum(c.counters.loads_refused for c in connectors),
             "loads_failed": sum(c.counters.loads_failed for c in connectors),
             "blocks_offloaded": sum(c.counters.blocks_offloaded for c in connectors),

@@ -44,7 +44,9 @@ from typing import Any
 import torch
 
 from connector.copy_engine import Completion, CopyEngine
-from connector.transfer_plan import TransferPlan, plan_transfer
+from connector.held_blocks import HeldBlocks
+from connector.lease_budget import LeaseBudget
+from connector.transfer_plan import LeafRun, TransferPlan, plan_transfer
 from connector.types import (
     ByteCount,
     CompletedTransfer,
@@ -52,12 +54,14 @@ from connector.types import (
     KVLoadFailed,
     KVLoadInvalid,
     KVLoadRefused,
+    AttentionKind,
     LeafSpec,
 )
 from dkv.client import NodeClient
+from dkv.store import EXISTS, WRITE
 from dkv.errors import DKVError, TransportError
 from dkv.etcd import DEFAULT_CLUSTER, DEFAULT_PREFIX, Layout, MemberRecord, make_client
-from dkv.hints import PEER_UNREACHABLE, UNKNOWN_PEER, UnusableHint, resolve_hint
+from dkv.hints import BEHIND_DEVICE, PEER_UNREACHABLE, UNKNOWN_PEER, UnusableHint, resolve_hint
 from dkv.keys import check_hashes, check_namespace
 from dkv.loop_thread import acquire_shared_loop, release_shared_loop
 from dkv.router import Router
@@ -68,7 +72,11 @@ Masks = dict[str, list[bool]]
 LEASE_MARGIN = 0.5  # seconds: a lease closer than this to expiry is not loaded from
 HANDLE_GROUPS = (1024, 1 << 20)  # node lease groups for start_lookup handles
 STATS_INTERVAL = 1.0
+DEFAULT_MAX_LEASES = 64  # a node's --max-leases when its handshake does not say
 UNREACHABLE_BACKOFF = 10.0  # seconds a node that failed to answer a lookup or a load is not asked again
+PEER_IDLE_TIMEOUT = 60.0  # seconds a peer's client may sit unused before it is closed (never the co-located one)
+MAX_BACKGROUND = 64  # fire-and-forget touches in flight at once; more are dropped and counted
+MAX_QUEUED_RELEASES = 1024  # lease releases waiting per node (a node ends a client's oldest lease past 64 anyway)
 
 
 @dataclass
@@ -82,6 +90,13 @@ class _LeaseState:
     hint: bytes | None
     expires_at: float
     peer: bool  # True when the source is not the co-located node
+    generation: int = 0  # the client's lease generation when the lease was granted
+    slot: int | None = None  # its slot in the connector's lease budget on that node
+
+    def blame(self, plan: TransferPlan) -> tuple[str, bytes]:
+        """The leaf and block to name when the whole lease is refused: the first block asked for."""
+        first = plan.runs[0]
+        return first.leaf, first.hashes[0]
 
 
 class DKVLookup:
@@ -179,6 +194,21 @@ class _Transfer:
             pass
 
 
+class _TrackedClient(NodeClient):
+    """A node client whose use the connector can see (loop thread): calls in flight, and when it was last used."""
+
+    in_flight = 0
+    last_used = 0.0
+
+    async def _call(self, fn: Any, *, idempotent: bool) -> Any:
+        self.in_flight += 1
+        try:
+            return await super()._call(fn, idempotent=idempotent)
+        finally:
+            self.in_flight -= 1
+            self.last_used = time.monotonic()
+
+
 @dataclass
 class ConnectorCounters:
     """dKV's own counters (beyond the protocol's :class:`KVCacheMetrics`)."""
@@ -197,6 +227,12 @@ class ConnectorCounters:
     blocks_offloaded: int = 0
     offloads_failed: int = 0
     touches: int = 0
+    touches_dropped: int = 0  # MAX_BACKGROUND touches were already in flight
+    resets_coalesced: int = 0  # a reset asked while another was still waiting to start: that one does it
+    releases_dropped: int = 0  # past MAX_QUEUED_RELEASES waiting for one node: the oldest, long ended by it
+    peer_clients_closed: int = 0  # peer clients closed after PEER_IDLE_TIMEOUT unused
+    lookups_over_lease_budget: int = 0  # the node's max_leases were all held: a miss without asking
+    hints_behind_device: int = 0  # usable hints with nothing to add: the device already holds more
     unusable_hints: Counter[str] = field(default_factory=Counter)
 
 
@@ -217,13 +253,16 @@ class DKVConnector:
         token: bytes | None = None,
         timeout: float = 5.0,
         local: bool | None = None,
+        peer_idle_timeout: float = PEER_IDLE_TIMEOUT,
     ) -> None:
         """Connect to the co-located node at ``node`` and, with ``etcd``, follow the cluster.
 
         ``device_blocks[replica][leaf][shard]`` is a 2-D ``uint8`` tensor
         ``[pages, bytes_per_page]`` whose rows are the block ids ``load`` and
         ``offload`` name. ``node_id`` is the co-located node's id in the
-        cluster (learned from the node when omitted).
+        cluster (learned from the node when omitted). A peer's client unused
+        for ``peer_idle_timeout`` seconds (and for its node's lease TTL, so
+        that no lease of it can still be loaded from) is closed.
         """
         self._leaves = dict(leaves)
         self._validate_blocks(device_blocks)
@@ -243,17 +282,35 @@ class DKVConnector:
         self._last_lookup: dict[int, _LeaseState] = {}
         self._unreachable: dict[str, tuple[str | None, float]] = {}  # address -> (its epoch, backoff end)
         self._transfers: list[_Transfer] = []
+        self._budget = LeaseBudget()  # leases held per node, within each node's max_leases
+        self._held = HeldBlocks()  # what the co-located node is known to hold (offloads skip it)
+        self._probe_leaves = [leaf for leaf, spec in self._leaves.items() if spec.kind is AttentionKind.FULL]
         self._handle_groups = itertools.cycle(range(*HANDLE_GROUPS))
-        self._clients: dict[str, NodeClient] = {}
+        self._clients: dict[str, _TrackedClient] = {}  # loop thread: made, used and closed there
         self._router: Router | None = None
         self._etcd_client: Any = None
         self._closed = False
         devices = {t.device for replica in self._blocks for shards in replica.values() for t in shards}
         self._copy = {d: CopyEngine(d) for d in devices}
         self._tasks: set[concurrent.futures.Future[Any]] = set()
+        self._tasks_lock = threading.Lock()  # _tasks and _background, changed from any thread
+        self._count_lock = threading.Lock()  # counters written from both threads
+        self._background = 0  # fire-and-forget touches in flight
+        self._peer_idle = peer_idle_timeout
+        # loop thread only: per-node lease releases waiting (an ordered set) and the task sending them
+        self._releases: dict[str, dict[int, None]] = {}
+        self._releasers: dict[str, asyncio.Task[None]] = {}
+        self._sweeper: asyncio.Task[None] | None = None
+        self._closing: set[NodeClient] = set()  # idle clients being closed
+        self._reset_wanted = False  # loop thread: a reset asked for and not started yet
+        self._resetter: asyncio.Task[None] | None = None
         self._loop = acquire_shared_loop()
         try:
             self.node_id = self._loop.run(self._start(node_id), timeout + 10)
+            max_leaves = self._clients[self.node_address].limit("max_leaves")  # as its handshake said
+            if len(self._leaves) > max_leaves:  # every lookup names all leaves, in one request (one lease)
+                raise ValueError(f"{len(self._leaves)} leaves exceed the node's max_leaves ({max_leaves}): "
+                                 f"{self.node_address} cannot look them up in one request")
         except BaseException:
             self._loop.run(self._close_clients(), timeout + 5)
             release_shared_loop()
@@ -282,6 +339,7 @@ class DKVConnector:
     async def _start(self, node_id: str | None) -> str:
         local = self._client(self.node_address)
         info = await local.connect()
+        await self._refresh_stats(local)  # byte counts are the node's from construction, not 0 of 0
         if self._etcd:
             self._etcd_client = make_client(self._etcd)
             await self._etcd_client.connect()
@@ -291,25 +349,68 @@ class DKVConnector:
         self._stats_task = asyncio.create_task(self._refresh_stats_forever(), name="dkv-connector-stats")
         return node_id or info.node_id
 
-    def _client(self, address: str) -> NodeClient:
+    def _client(self, address: str) -> _TrackedClient:
+        """The client of the node at ``address``, made on first use. The loop thread only.
+
+        Clients are made, used and closed on the loop thread; another thread
+        gets an existing client (to read what its handshake said), never a new
+        one. A peer's client unused for a while is closed by
+        :meth:`_close_idle_clients_forever`; the co-located node's never is.
+        """
         client = self._clients.get(address)
         if client is None:
-            client = NodeClient(address, self.namespace, token=self._token, timeout=self.timeout,
-                                local=self._local_path)
+            if not self._loop.in_loop():
+                raise RuntimeError(f"no client of {address}: clients are made on the loop thread")
+            client = _TrackedClient(address, self.namespace, token=self._token, timeout=self.timeout,
+                                    local=self._local_path)
             self._clients[address] = client
+            if address != self.node_address and self._sweeper is None and not self._closed:
+                self._sweeper = asyncio.get_running_loop().create_task(
+                    self._close_idle_clients_forever(), name="dkv-connector-idle-clients")
+        client.last_used = time.monotonic()
         return client
+
+    def _idle(self, client: _TrackedClient, now: float) -> bool:
+        """Unused for ``peer_idle_timeout``, and long enough that no lease it took can still be loaded from."""
+        ttl = float((client.info.limits if client.info else {}).get("lease_ttl", 10.0))
+        return client.in_flight == 0 and now - client.last_used >= max(self._peer_idle, ttl + LEASE_MARGIN)
+
+    async def _close_idle_clients_forever(self) -> None:
+        """Close the peers' clients that went idle (see :meth:`_idle`). The loop thread; ends at shutdown."""
+        period = max(0.05, min(self._peer_idle / 2, 5.0))
+        while not self._closed:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for address, client in list(self._clients.items()):
+                if address == self.node_address or not self._idle(client, now):
+                    continue
+                del self._clients[address]  # the next use makes a new one
+                self._closing.add(client)
+                self._count(peer_clients_closed=1)
+                try:
+                    async with asyncio.timeout(self.timeout):
+                        await client.close()
+                except Exception as exc:  # noqa: BLE001 - its connections are dropped either way
+                    log.debug("closing the idle client of %s: %s", address, exc)
+                finally:
+                    self._closing.discard(client)
+                log.debug("closed the client of %s, unused for %.0f s", address, now - client.last_used)
+
+    async def _refresh_stats(self, client: NodeClient) -> None:
+        """Take the co-located node's tier occupancy (loop thread); on failure the numbers just go stale."""
+        try:
+            stats = await client.stats()
+            self._host_bytes = ByteCount(free=stats["host"]["free"], total=stats["host"]["total"])
+            self._disk_bytes = ByteCount(free=stats["disk"]["free"], total=stats["disk"]["total"])
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - numbers go stale, nothing breaks
+            log.debug("node stats unavailable: %s", exc)
 
     async def _refresh_stats_forever(self) -> None:
         while not self._closed:
-            try:
-                stats = await self._client(self.node_address).stats()
-                self._host_bytes = ByteCount(free=stats["host"]["free"], total=stats["host"]["total"])
-                self._disk_bytes = ByteCount(free=stats["disk"]["free"], total=stats["disk"]["total"])
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - numbers go stale, nothing breaks
-                log.debug("node stats unavailable: %s", exc)
             await asyncio.sleep(STATS_INTERVAL)
+            await self._refresh_stats(self._client(self.node_address))
 
     # ---- identity -----------------------------------------------------------------------------
 
@@ -331,6 +432,7 @@ class DKVConnector:
         """``(node address, is_peer)`` for a request; an unusable hint is counted and means local."""
         if hint is None:
             return self.node_address, False
+        # one read of the router's member table: an immutable snapshot, whatever the loop thread does meanwhile
         members: Mapping[str, MemberRecord] = self._router.members if self._router is not None else {}
         try:
             member = resolve_hint(hint, self.namespace, hashes, members)
@@ -381,27 +483,51 @@ class DKVConnector:
     # ---- lookups ------------------------------------------------------------------------------
 
     async def _lookup_on(self, address: str, hashes: list[bytes], group: int, peer: bool,
-                         hint: bytes | None) -> _LeaseState:
+                         hint: bytes | None, slot: int | None = None) -> _LeaseState | None:
+        """One leased lookup (loop thread) within the node's lease budget.
+
+        ``slot`` is a budget slot already held (``lookup()`` passes on its
+        replica's previous one, whose lease this lookup ends on the node);
+        without one a slot is taken, and with none left the lookup is a miss
+        without asking (``None``, counted ``lookups_over_lease_budget``).
+        """
         client = self._client(address)
-        result = await client.lookup(hashes, list(self._leaves), self._tp_shards, lease=True, group=group)
-        ttl = float((client.info.limits if client.info else {}).get("lease_ttl", 10.0))
-        return _LeaseState(address, result.lease_id, result.masks, hashes, hint, time.monotonic() + ttl, peer)
+        limits = client.info.limits if client.info else {}
+        ttl = float(limits.get("lease_ttl", 10.0))
+        if slot is None:
+            slot = self._budget.take(address, int(limits.get("max_leases", DEFAULT_MAX_LEASES)),
+                                     self.timeout + ttl)
+            if slot is None:
+                self._count(lookups_over_lease_budget=1)
+                return None
+        try:
+            result = await client.lookup(hashes, list(self._leaves), self._tp_shards, lease=True, group=group)
+        except BaseException:
+            self._budget.give_back(address, slot)  # whatever the node did, the TTL ends it: do not wait on it
+            raise
+        expires_at = time.monotonic() + ttl
+        if result.lease_id is None:
+            self._budget.give_back(address, slot)
+            slot = None
+        else:
+            self._budget.bind(address, slot, result.lease_id, expires_at)
+        if not peer:
+            self._held.learn(held=[(leaf, h) for leaf, mask in result.masks.items() for h, ok in zip(hashes, mask) if ok],
+                             absent=[(leaf, h) for leaf, mask in result.masks.items()
+                                     for h, ok in zip(hashes, mask) if not ok])
+        return _LeaseState(address, result.lease_id, result.masks, hashes, hint, expires_at, peer,
+                           client.lease_generation, slot)
 
     def _empty_masks(self, n: int) -> Masks:
         return {leaf: [False] * n for leaf in self._leaves}
 
     def _count_lookup(self, state: _LeaseState | None) -> None:
-        self.counters.lookups += 1
         if state is None:
-            self.counters.lookup_failures += 1
+            self._count(lookups=1, lookup_failures=1)
             return
         reported = sum(m.count(True) for m in state.masks.values())
-        self.counters.blocks_reported += reported
-        if reported:
-            if state.peer:
-                self.counters.hits_peer += 1
-            else:
-                self.counters.hits_local += 1
+        hit = "hits_peer" if state.peer else "hits_local"
+        self._count(lookups=1, blocks_reported=reported, **{hit: int(reported > 0)})
 
     def lookup(self, block_hashes: Sequence[bytes], replica_idx: int = 0, hint: bytes | None = None) -> Masks:
         """Presence per leaf (True only when every TP shard holds the block), leased for the next ``load``.
@@ -414,14 +540,18 @@ class DKVConnector:
         self._check_replica(replica_idx)
         address, peer = self._source(hashes, hint)
         previous = self._last_lookup.pop(replica_idx, None)
+        slot = None
         if previous is not None and previous.address != address:
             self._release(previous)
+        elif previous is not None:
+            slot = previous.slot  # this lookup ends the previous one's lease on the node: its slot passes on
         if self._backing_off(address):
-            self.counters.lookups_skipped += 1
+            self._budget.give_back(address, slot)
+            self._count(lookups_skipped=1)
             return self._empty_masks(len(hashes))
         state: _LeaseState | None
         try:
-            state = self._loop.run(self._lookup_on(address, hashes, replica_idx, peer, hint), self.timeout + 1)
+            state = self._loop.run(self._lookup_on(address, hashes, replica_idx, peer, hint, slot), self.timeout + 1)
         except Exception as exc:  # noqa: BLE001 - a dead or slow node costs a miss
             self._unanswered(address, exc)
             state = None
@@ -450,7 +580,7 @@ class DKVConnector:
 
         future: concurrent.futures.Future[_LeaseState | None]
         if self._backing_off(address):
-            self.counters.lookups_skipped += 1
+            self._count(lookups_skipped=1)
             future = concurrent.futures.Future()
             future.set_result(None)
         else:
@@ -481,21 +611,52 @@ class DKVConnector:
             pass
 
     def _release(self, state: _LeaseState) -> None:
-        """End a lease on its node, fire-and-forget."""
+        """End a lease on its node, fire-and-forget (any thread; never lost to a limit, see :meth:`_queue_release`)."""
         if state.lease_id is None or self._closed:
             return
-        client = self._client(state.address)
-
-        async def run() -> None:
-            try:
-                await client.release(state.lease_id)  # type: ignore[arg-type]
-            except Exception as exc:  # noqa: BLE001
-                log.debug("lease release failed: %s", exc)
-
         try:
-            self._submit(run())
+            self._loop.loop.call_soon_threadsafe(self._queue_release, state.address, state.lease_id)
         except RuntimeError:
-            pass
+            pass  # the loop is stopped: the node ended this client's leases with its connections
+
+    def _queue_release(self, address: str, lease_id: int) -> None:
+        """Queue a release for the node's releaser (loop thread): one task per node, one ordered set of leases.
+
+        A lease queued twice is released once. Past ``MAX_QUEUED_RELEASES`` the
+        oldest is let go: a node holds at most its ``--max-leases`` (64 by
+        default) of one client and ends the oldest itself past that, so those
+        are long gone.
+        """
+        if self._closed:
+            return
+        queue = self._releases.setdefault(address, {})
+        queue[lease_id] = None
+        if len(queue) > MAX_QUEUED_RELEASES:
+            del queue[next(iter(queue))]
+            self._count(releases_dropped=1)
+        if address not in self._releasers:
+            self._releasers[address] = asyncio.get_running_loop().create_task(
+                self._send_releases(address), name=f"dkv-connector-release-{address}")
+
+    async def _send_releases(self, address: str) -> None:
+        """Send the releases queued for one node, one after the other, until none is left (loop thread)."""
+        queue = self._releases[address]
+        try:
+            while queue:
+                lease_id = next(iter(queue))
+                del queue[lease_id]
+                client = self._clients.get(address)
+                try:
+                    if client is not None:  # else closed since: the node ended its leases with its connections
+                        await client.release(lease_id)
+                except Exception as exc:  # noqa: BLE001 - the lease ends with its TTL anyway
+                    log.debug("lease release failed: %s", exc)
+                finally:
+                    self._budget.give_back_lease(address, lease_id)  # answered, or it lapses with its TTL
+        finally:
+            self._releasers.pop(address, None)
+            if not queue:
+                self._releases.pop(address, None)
 
     # ---- loads --------------------------------------------------------------------------------
 
@@ -539,7 +700,7 @@ class DKVConnector:
         except ValueError as exc:
             if state is not None:
                 self._release(state)  # bad input must not leave the lookup's lease pinned
-            self.counters.loads_refused += 1
+            self._count(loads_refused=1)
             self._add_metrics(connector_loads_refused=1)
             raise KVLoadInvalid(f"load refused: {exc}") from exc
         if not plan.runs:
@@ -549,7 +710,7 @@ class DKVConnector:
         try:
             self._check_covered(state, plan, hint)
         except KVLoadRefused:
-            self.counters.loads_refused += 1
+            self._count(loads_refused=1)
             self._add_metrics(connector_loads_refused=1)
             if state is not None:
                 self._release(state)
@@ -558,9 +719,10 @@ class DKVConnector:
         try:
             future = self._submit(self._read(state, plan))
         except Exception as exc:
-            self.counters.loads_failed += 1
+            self._count(loads_failed=1)
+            self._release(state)
             raise KVLoadFailed(f"could not post the load: {exc}") from exc
-        self.counters.loads += 1
+        self._count(loads=1)
         transfer = _Transfer(future, is_load=True)
         self._transfers.append(transfer)
         return transfer
@@ -571,9 +733,13 @@ class DKVConnector:
         if state.hint != hint:
             raise KVLoadRefused("load must carry the same hint as its lookup")
         if state.lease_id is None:
-            raise KVLoadRefused("the lookup holds no lease")
+            raise KVLoadRefused("the lookup holds no lease", *state.blame(plan))
         if time.monotonic() > state.expires_at - LEASE_MARGIN:
-            raise KVLoadRefused("the lookup's lease expired before the load")
+            raise KVLoadRefused("the lookup's lease expired before the load", *state.blame(plan))
+        client = self._clients.get(state.address)
+        if client is None or client.leases_lost_since(state.generation):
+            raise KVLoadRefused("the node no longer holds the lookup's lease (every connection to it closed, "
+                                "or it restarted)", *state.blame(plan))
         for run in plan.runs:
             mask = state.masks.get(run.leaf, ())
             reported = {h for h, ok in zip(state.hashes, mask) if ok}
@@ -587,12 +753,16 @@ class DKVConnector:
         try:
             await self._client(state.address).read(state.lease_id, keys, targets)  # type: ignore[arg-type]
         except Exception as exc:
-            self.counters.loads_failed += 1
+            self._count(loads_failed=1)
             if state.peer:
                 self._add_metrics(dkv_peer_load_failures=1)
             self._unanswered(state.address, exc)
             raise
-        self.counters.blocks_loaded += len(keys)
+        finally:
+            # the read ended the lease on the node (or its failure did: a refused read, or the
+            # connection closing); a lease the node still holds, if any, lapses with its TTL
+            self._budget.give_back_lease(state.address, state.lease_id)  # type: ignore[arg-type]
+        self._count(blocks_loaded=len(keys))
         self._add_metrics(h2d_bytes_copied=plan.nbytes, dkv_peer_loads=int(state.peer))
         return finish()
 
@@ -607,9 +777,9 @@ class DKVConnector:
         raising (the blocks are simply not stored) and is counted.
         """
         self._check_replica(replica_idx)
-        plan = plan_transfer(block_ids, block_hashes, self._blocks[replica_idx])
+        plan = self._not_held(plan_transfer(block_ids, block_hashes, self._blocks[replica_idx]))
         if not plan.runs or self._closed:
-            return CompletedTransfer()
+            return CompletedTransfer()  # moves nothing: pinned nowhere
         sources, ready = self._copy[plan.device].offload_sources(plan.rows)
 
         async def run() -> None:
@@ -618,40 +788,75 @@ class DKVConnector:
             try:
                 result = await self._client(self.node_address).write(plan.keys(), sources())
             except Exception:
-                self.counters.offloads_failed += 1
+                self._count(offloads_failed=1)
                 raise
-            self.counters.blocks_offloaded += result.stored
-            self._add_metrics(d2h_bytes_copied=plan.nbytes)
+            self._count(blocks_offloaded=result.stored)
+            self._add_metrics(d2h_bytes_copied=self._learn_offload(plan, result.statuses))
             return None
 
         try:
             future = self._submit(run())
         except RuntimeError:
             return CompletedTransfer()
-        self.counters.offloads += 1
+        self._count(offloads=1)
         transfer = _Transfer(future, is_load=False, g0_blocks_per_leaf=plan.block_ids())
         self._transfers.append(transfer)
         return transfer
 
+    def _not_held(self, plan: TransferPlan) -> TransferPlan:
+        """``plan`` without the blocks the co-located node is known to hold (see :mod:`connector.held_blocks`)."""
+        runs = []
+        for run in plan.runs:
+            keep = [i for i, h in enumerate(run.hashes) if not self._held.holds(run.leaf, h)]
+            if len(keep) == len(run.hashes):
+                runs.append(run)
+            elif keep:
+                runs.append(LeafRun(run.leaf, run.shards, [run.block_ids[i] for i in keep],
+                                    [run.hashes[i] for i in keep]))
+        return plan if len(runs) == len(plan.runs) and all(a is b for a, b in zip(runs, plan.runs)) \
+            else TransferPlan(runs)
+
+    def _learn_offload(self, plan: TransferPlan, statuses: Sequence[str]) -> int:
+        """Remember what the node now holds; returns the bytes it took (the D2H bytes this offload moved)."""
+        moved = 0
+        held = []
+        at = 0
+        for run in plan.runs:
+            n, shards = len(run.hashes), len(run.shards)
+            per_shard = [statuses[at + s * n: at + (s + 1) * n] for s in range(shards)]
+            for s, tensor in enumerate(run.shards):
+                moved += per_shard[s].count(WRITE) * int(tensor.shape[1])
+            held += [(run.leaf, h) for i, h in enumerate(run.hashes)
+                     if all(per_shard[s][i] in (WRITE, EXISTS) for s in range(shards))]
+            at += n * shards
+        self._held.learn(held=held)
+        return moved
+
     # ---- recency, pricing, housekeeping -------------------------------------------------------
 
     def touch(self, block_hashes: Sequence[bytes], replica_idx: int = 0) -> None:
-        """Refresh recency of device-served blocks (the whole chain from its root). Never raises."""
+        """Refresh recency of device-served blocks (the whole chain from its root). Never raises.
+
+        Fire-and-forget, at most ``MAX_BACKGROUND`` in flight: one more is
+        dropped and counted (``counters.touches_dropped``); a missed touch costs
+        a later refetch at most.
+        """
         try:
             hashes = check_hashes(block_hashes)
             if not hashes or self._closed:
                 return
-            client = self._client(self.node_address)
             leaves = list(self._leaves)
 
             async def run() -> None:
                 try:
-                    await client.touch(hashes, leaves, self._tp_shards)
+                    await self._client(self.node_address).touch(hashes, leaves, self._tp_shards)
                 except Exception as exc:  # noqa: BLE001 - a missed touch costs a later refetch at most
                     log.debug("touch failed: %s", exc)
 
-            self._submit(run())
-            self.counters.touches += 1
+            if self._fire(run()):
+                self._count(touches=1)
+            else:
+                self._count(touches_dropped=1)
         except Exception:  # noqa: BLE001
             log.debug("touch ignored an error", exc_info=True)
 
@@ -660,10 +865,15 @@ class DKVConnector:
         """What each replica could load, from the directory index, without leases.
 
         The external tier is replica-agnostic, so every replica gets the same
-        answer (one shared mapping). ``None`` when there is no directory to
-        answer from (no etcd configured).
+        answer (one shared mapping). The directory knows a node's deepest
+        block of a chain, not which leaf holds what, so the answer covers the
+        full-attention leaves only (each of those holds every block of the
+        prefix it covers; a windowed leaf holds only its window's worth, and
+        the protocol lets an answer leave out leaves that one representative
+        leaf stands for). ``None`` when there is no directory to answer from
+        (no etcd configured) or no full-attention leaf to answer for.
         """
-        if self._router is None:
+        if self._router is None or not self._probe_leaves:
             return None
         hashes = check_hashes(block_hashes)
         address, peer = self._source(hashes, hint)
@@ -672,7 +882,7 @@ class DKVConnector:
             node_id = next((m.node_id for m in self._router.members.values() if m.address == address), node_id)
         depth = self._router.depth_of(node_id, self.namespace, hashes)
         mask = [True] * depth + [False] * (len(hashes) - depth)
-        answer = {leaf: mask for leaf in self._leaves}
+        answer = {leaf: mask for leaf in self._probe_leaves}
         return [answer for _ in replica_idxs]
 
     def poll_transfers(self) -> None:
@@ -690,8 +900,17 @@ class DKVConnector:
                     setattr(self._metrics, name, getattr(self._metrics, name) + n)
 
     def _count_unusable_hint(self, reason: str) -> None:
-        """A hint that cannot be used: a miss, counted by reason (in MAX's dKV metrics too)."""
-        self.counters.unusable_hints[reason] += 1
+        """A hint that cannot be used: a miss, counted by reason (in MAX's dKV metrics too).
+
+        A hint whose peer holds less than the engine's device already has
+        (``behind_device``) is not a rejected hint: it is counted apart, in
+        ``counters.hints_behind_device``, and not in MAX's ``dkv_hints_rejected``.
+        """
+        if reason == BEHIND_DEVICE:
+            self._count(hints_behind_device=1)
+            return
+        with self._count_lock:
+            self.counters.unusable_hints[reason] += 1
         self._add_metrics(dkv_hints_rejected=1)
         with self._metrics_lock:
             by_reason = getattr(self._metrics, "dkv_hints_rejected_by_reason", None)
@@ -719,19 +938,38 @@ class DKVConnector:
         return self._disk_bytes
 
     def reset_prefix_cache(self) -> None:
-        """Drop this namespace's unpinned blocks on the co-located node (fire-and-forget). Never raises."""
-        try:
-            client = self._client(self.node_address)
+        """Drop this namespace's unpinned blocks on the co-located node (fire-and-forget). Never raises.
 
-            async def run() -> None:
+        One reset runs at a time; one asked while another waits to start is
+        that one (``counters.resets_coalesced``).
+        """
+        try:
+            if not self._closed:
+                self._loop.loop.call_soon_threadsafe(self._want_reset)
+        except Exception:  # noqa: BLE001 - the loop is stopped
+            pass
+
+    def _want_reset(self) -> None:
+        """Loop thread: note a reset and start the resetter unless it runs."""
+        if self._closed:
+            return
+        if self._reset_wanted:
+            self._count(resets_coalesced=1)
+            return
+        self._reset_wanted = True
+        if self._resetter is None:
+            self._resetter = asyncio.get_running_loop().create_task(self._reset(), name="dkv-connector-reset")
+
+    async def _reset(self) -> None:
+        try:
+            while self._reset_wanted:
+                self._reset_wanted = False
                 try:
-                    await client.clear()
+                    await self._client(self.node_address).clear()
                 except Exception as exc:  # noqa: BLE001
                     log.debug("reset_prefix_cache failed: %s", exc)
-
-            self._submit(run())
-        except Exception:  # noqa: BLE001
-            pass
+        finally:
+            self._resetter = None
 
     def shutdown(self) -> None:
         """Drain transfers (bounded), release leases, close connections, stop the loop. Never raises."""
@@ -755,25 +993,71 @@ class DKVConnector:
             self._closed = True
             release_shared_loop()
 
+    # ---- owned work on the loop thread ----------------------------------------------------------
+    #
+    # Everything the connector starts on the loop is owned here and cancelled at shutdown:
+    # lookups and transfers behind handles (_submit; as many as the engine has handles), touches
+    # (_fire: at most MAX_BACKGROUND, more dropped and counted), one resetter (_reset) and one
+    # lease releaser per node (_send_releases, its queue bounded), and the idle-client sweeper.
+
     def _submit(self, coro: Any) -> concurrent.futures.Future[Any]:
-        """Run ``coro`` on the UCX loop as a task this connector owns (cancelled at shutdown)."""
+        """Run ``coro`` on the UCX loop as a task this connector owns (cancelled at shutdown). Any thread."""
         future = self._loop.submit(coro)
-        self._tasks.add(future)
-        future.add_done_callback(self._tasks.discard)
+        with self._tasks_lock:
+            self._tasks.add(future)
+        future.add_done_callback(self._forget)
         return future
 
+    def _forget(self, future: concurrent.futures.Future[Any]) -> None:
+        with self._tasks_lock:
+            self._tasks.discard(future)
+
+    def _fire(self, coro: Any) -> bool:
+        """Run fire-and-forget ``coro`` as owned work; False (``coro`` dropped) when ``MAX_BACKGROUND`` run."""
+        with self._tasks_lock:
+            if self._background >= MAX_BACKGROUND:
+                coro.close()
+                return False
+            self._background += 1
+        try:
+            future = self._submit(coro)
+        except BaseException:
+            self._fired(None)
+            raise
+        future.add_done_callback(self._fired)
+        return True
+
+    def _fired(self, _future: concurrent.futures.Future[Any] | None) -> None:
+        with self._tasks_lock:
+            self._background -= 1
+
+    def _count(self, **deltas: int) -> None:
+        """Add to :attr:`counters`; both threads count, so under a lock."""
+        with self._count_lock:
+            for name, n in deltas.items():
+                if n:
+                    setattr(self.counters, name, getattr(self.counters, name) + n)
+
     async def _close_clients(self) -> None:
-        owned = [f for f in list(self._tasks) if not f.done()]
+        self._closed = True  # nothing new is started on the loop from here on
+        with self._tasks_lock:
+            owned = [f for f in self._tasks if not f.done()]
         for future in owned:
             future.cancel()
         await asyncio.gather(*(asyncio.wrap_future(f) for f in owned), return_exceptions=True)
+        workers = [t for t in (self._sweeper, self._resetter, *self._releasers.values()) if t is not None]
+        for worker in workers:
+            worker.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+        self._releases.clear()
         task = getattr(self, "_stats_task", None)
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         if self._router is not None:
             await self._router.stop()
-        await asyncio.gather(*(c.close() for c in self._clients.values()), return_exceptions=True)
+        clients = [*self._clients.values(), *self._closing]
+        await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
         if self._etcd_client is not None:
             try:
                 await self._etcd_client.close()

@@ -154,6 +154,19 @@ class KVConnectorTransfer(KVTransfer, Protocol):
     def g0_blocks_per_leaf(self) -> Mapping[str, Sequence[int]]: ...
 
 
+@runtime_checkable
+class KVLookup(Protocol):
+    """What ``start_lookup`` returns (the protocol names it ``KVLookup``; MAX 26.7 has no such type).
+
+    ``is_complete`` never blocks; ``result`` gives the per-leaf masks, shaped as
+    ``lookup()``'s answer, once complete.
+    """
+
+    def is_complete(self) -> bool: ...
+
+    def result(self) -> Mapping[str, Sequence[bool]]: ...
+
+
 class AttentionKind(enum.Enum):
     FULL = "full"
     SLIDING_WINDOW = "sliding_window"
@@ -188,3 +201,21 @@ def full_attention(group_id: Hashable, tp_shards: int = 1) -> LeafSpec:
 
 def sliding_window(group_id: Hashable, window: int, tp_shards: int = 1) -> LeafSpec:
     return LeafSpec(group_id, AttentionKind.SLIDING_WINDOW, window, tp_shards)
+
+
+__all__ = [
+    "MAX_AVAILABLE",
+    "AttentionKind",
+    "ByteCount",
+    "CompletedTransfer",
+    "KVCacheMetrics",
+    "KVConnectorTransfer",
+    "KVLoadFailed",
+    "KVLoadInvalid",
+    "KVLoadRefused",
+    "KVLookup",
+    "KVTransfer",
+    "LeafSpec",
+    "full_attention",
+    "sliding_window",
+]

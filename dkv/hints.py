@@ -20,6 +20,11 @@ prefix-chained, so that one hash names the whole prefix. The ``dkv`` object lets
 the connector detect a stale hint (the peer restarted: new epoch), a foreign one
 (another namespace) or a mismatched one (the deepest hash is not among the
 request's hashes; an engine may ask about only the blocks past its device hit).
+``blocks`` (optional) is how many blocks the routed request had: an engine asks
+about the run from its device hit to the end of the prompt, so a deepest block
+at ``depth <= blocks - len(run)`` lies before that run — the peer holds nothing
+the device lacks. That hint is not wrong, it has nothing to add: it is served
+as no hint and counted apart (:data:`BEHIND_DEVICE`), not as a mismatch.
 
 MAX's minimal form is accepted too, its instance name read as a peer id::
 
@@ -53,6 +58,9 @@ REASONS = (UNPARSEABLE, UNKNOWN_VERSION, UNKNOWN_PEER, STALE_EPOCH, WRONG_NAMESP
 # Not the hint's fault, so not among REASONS: a usable hint names a peer that recently failed to
 # answer, and the connector serves it as a miss rather than wait on that peer again.
 PEER_UNREACHABLE = "peer_unreachable"
+# Not the hint's fault either: the peer's deepest block lies before the run the engine asks about
+# (its device already holds more than the peer has to offer).
+BEHIND_DEVICE = "behind_device"
 
 
 class UnusableHint(Exception):
@@ -73,6 +81,7 @@ class Hint:
     depth: int | None = None
     deepest_hash: bytes | None = None
     endpoint: str | None = None
+    blocks: int | None = None  # how many blocks the routed request had
 
 
 def build_hint(member: MemberRecord, namespace: str, hashes: Sequence[bytes], depth: int) -> str:
@@ -90,6 +99,7 @@ def build_hint(member: MemberRecord, namespace: str, hashes: Sequence[bytes], de
             "namespace": namespace,
             "depth": depth,
             "deepest_hash": deepest,
+            "blocks": len(hashes),
         },
     }
     envelope = {
@@ -158,7 +168,11 @@ def _parse_envelope(doc: dict) -> Hint:
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1 or len(deepest) not in (8, 32):
             raise UnusableHint(UNPARSEABLE, "depth must be a positive int and deepest_hash 8 or 32 bytes")
         endpoint = payload.get("source_control_endpoint")
-        return Hint(peer_id, epoch, namespace, depth, deepest, endpoint if isinstance(endpoint, str) else None)
+        blocks = dkv.get("blocks")
+        if blocks is not None and (type(blocks) is not int or blocks < depth):
+            raise UnusableHint(UNPARSEABLE, "blocks must be an int no smaller than depth")
+        return Hint(peer_id, epoch, namespace, depth, deepest, endpoint if isinstance(endpoint, str) else None,
+                    blocks)
     raise UnusableHint(UNPARSEABLE, "no kv.fetch action with a dkv payload")
 
 
@@ -202,5 +216,8 @@ def resolve_hint(
         # an engine asks about the blocks past its device hit, so the run may start anywhere
         # in the prompt; hashes are prefix-chained, so the deepest block being among them is
         # what ties the hint to this request
+        if hashes and hint.blocks is not None and hint.depth is not None and hint.depth <= hint.blocks - len(hashes):
+            raise UnusableHint(BEHIND_DEVICE, f"the peer covers {hint.depth} blocks; the engine asks from block "
+                                              f"{hint.blocks - len(hashes) + 1}: nothing to add")
         raise UnusableHint(MISMATCH, "the hint's deepest block is not among this request's blocks")
     return member

@@ -15,6 +15,7 @@ import pytest
 
 from dkv.etcd import MemberRecord
 from dkv.hints import (
+    BEHIND_DEVICE,
     ACTION_TYPE,
     ENVELOPE_VERSION,
     HINT_VERSION,
@@ -49,7 +50,7 @@ def _reason(raw: object, hashes: list[bytes], members: dict[str, MemberRecord], 
     """The reason resolve_hint gives; fails the test if it resolves or raises anything but UnusableHint."""
     with pytest.raises(UnusableHint) as info:
         resolve_hint(raw, namespace, hashes, members)  # type: ignore[arg-type]
-    assert info.value.reason in REASONS
+    assert info.value.reason in (*REASONS, BEHIND_DEVICE)
     return info.value.reason
 
 
@@ -86,11 +87,12 @@ def test_built_hint_carries_the_dynamo_envelope_and_round_trips(hash_size: int) 
     assert payload["source_control_endpoint"] == f"ucx://{member.address}"
     assert payload["block_hashes"] == [hashes[3].hex()], "block_hashes names the deepest covered block"
     assert payload["dkv"] == {"version": HINT_VERSION, "peer_id": "n1", "epoch": member.epoch,
-                              "namespace": NS, "depth": 4, "deepest_hash": hashes[3].hex()}
+                              "namespace": NS, "depth": 4, "deepest_hash": hashes[3].hex(),
+                              "blocks": len(hashes)}
 
     hint = parse_hint(raw)
     assert hint == Hint(peer_id="n1", epoch=member.epoch, namespace=NS, depth=4, deepest_hash=hashes[3],
-                        endpoint=f"ucx://{member.address}")
+                        endpoint=f"ucx://{member.address}", blocks=len(hashes))
     # bytes in, same answer; and the hint resolves to the member for its own request
     assert parse_hint(raw.encode()) == hint
     assert resolve_hint(raw, NS, hashes, {"n1": member}) is member
@@ -263,6 +265,29 @@ def test_hint_whose_deepest_block_is_not_among_the_requests_blocks_is_a_mismatch
     assert resolve_hint(raw, NS, hashes[2:], members) is member
     # and the unchanged hint still resolves for its own request
     assert resolve_hint(raw, NS, hashes, members) is member
+
+
+def test_hint_whose_peer_holds_less_than_the_device_is_behind_device_not_a_mismatch() -> None:
+    member = _member()
+    members = {"n1": member}
+    hashes = _chain(6)
+    raw = build_hint(member, NS, hashes, 4)
+    assert json.loads(raw)["actions"][0]["payload"]["dkv"]["blocks"] == 6
+    # the engine's device already holds blocks 0..3 (or more) and asks about the rest
+    assert _reason(raw, hashes[4:], members) == BEHIND_DEVICE
+    assert _reason(raw, hashes[5:], members) == BEHIND_DEVICE
+    assert BEHIND_DEVICE not in REASONS  # not the hint's fault: never a rejected hint
+    # a run that still includes the peer's deepest block uses the hint
+    assert resolve_hint(raw, NS, hashes[3:], members) is member
+    # a hint of another chain stays a mismatch
+    assert _reason(raw, _chain(6), members) == MISMATCH
+
+
+def test_hint_with_a_request_length_shorter_than_its_depth_is_unparseable() -> None:
+    member = _member()
+    doc = json.loads(build_hint(member, NS, _chain(6), 4))
+    doc["actions"][0]["payload"]["dkv"]["blocks"] = 3
+    assert _reason(json.dumps(doc), _chain(6), {"n1": member}) == UNPARSEABLE
 
 
 def test_every_reason_constant_is_listed_and_distinct() -> None:

@@ -1,0 +1,65 @@
+"""What the co-located node is known to hold, so that an offload copies only what it lacks.
+
+The protocol: "An offload that moved nothing returns a CompletedTransfer and
+is pinned nowhere." ``offload`` must decide on the scheduler thread, without a
+round trip, which device blocks to copy and keep pinned; it skips the
+``(leaf, hash)`` pairs this memory says the node holds. The memory learns from
+what the node said: an offload's statuses (stored, or already there) and the
+co-located node's lookup masks (present or absent). It is bounded in size and
+in age: the node may evict a block without telling anyone, and a stale entry
+costs at most one skipped offload of a block the node since dropped, never
+wrong bytes.
+
+Thread-safe: read on the scheduler thread, taught on the loop thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+
+DEFAULT_CAPACITY = 65536  # (leaf, hash) pairs remembered
+DEFAULT_MAX_AGE = 30.0  # seconds an entry is trusted
+
+Pair = tuple[str, bytes]
+
+
+class HeldBlocks:
+    """A bounded, ageing set of ``(leaf, hash)`` pairs the co-located node holds on every TP shard."""
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY, max_age: float = DEFAULT_MAX_AGE,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._lock = threading.Lock()
+        self._seen: OrderedDict[Pair, float] = OrderedDict()  # pair -> when learned, oldest first
+        self._capacity = capacity
+        self._max_age = max_age
+        self._clock = clock
+
+    def learn(self, held: Iterable[Pair] = (), absent: Iterable[Pair] = ()) -> None:
+        """The node said it holds ``held`` and lacks ``absent``."""
+        now = self._clock()
+        with self._lock:
+            seen = self._seen
+            for pair in absent:
+                seen.pop(pair, None)
+            for pair in held:
+                seen[pair] = now
+                seen.move_to_end(pair)
+            while len(seen) > self._capacity:
+                seen.popitem(last=False)
+
+    def holds(self, leaf: str, block_hash: bytes) -> bool:
+        """True when the node said it holds the pair within the last ``max_age`` seconds."""
+        with self._lock:
+            learned = self._seen.get((leaf, block_hash))
+            if learned is None:
+                return False
+            if self._clock() - learned > self._max_age:
+                del self._seen[(leaf, block_hash)]
+                return False
+            return True
+
+    def __len__(self) -> int:
+        return len(self._seen)
