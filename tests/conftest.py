@@ -10,6 +10,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,29 @@ async def etcd(etcd_server: EtcdProcess | None, request: pytest.FixtureRequest) 
     finally:
         await client.close()
 WAIT_BOUND = 20.0  # generous: these machines are shared and noisy
+
+
+@asynccontextmanager
+async def etcd_client(url: str) -> AsyncIterator[Any]:
+    """A connected etcd client for a test's own reads and writes, closed at the end."""
+    from dkv.etcd import make_client
+
+    client = make_client(url)
+    await client.connect()
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+@asynccontextmanager
+async def etcd_lease(client: Any, ttl: int = 60) -> AsyncIterator[int]:
+    """A lease for the test's keys; revoked at the end, so the test's prefix is left empty."""
+    grant = await client.lease.grant(ttl, timeout=5)
+    try:
+        yield grant.ID
+    finally:
+        await client.lease.revoke(grant.ID, timeout=5)
 
 
 _UCX: LoopThread | None = None

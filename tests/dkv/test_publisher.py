@@ -13,12 +13,12 @@ import math
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from pathlib import Path
 
 from tests.conftest import failure_of
-from dkv.etcd import MAX_TXN_OPS, Layout, MemberRecord, make_client, prefix_end
+from tests.conftest import etcd_client as _etcd_client, etcd_lease as _lease
+from dkv.etcd import MAX_TXN_OPS, Layout, MemberRecord, prefix_end
 from dkv.keys import BlockKey
 from dkv.publisher import DirectoryPublisher
 from dkv.router import Router
@@ -36,24 +36,6 @@ HALF_WRITER = Path(__file__).with_name("half_writer.py")
 # ---- helpers ------------------------------------------------------------------------------------
 
 
-@asynccontextmanager
-async def _etcd_client(url: str) -> AsyncIterator:
-    client = make_client(url)
-    await client.connect()
-    try:
-        yield client
-    finally:
-        await client.close()
-
-
-@asynccontextmanager
-async def _lease(client, ttl: int = 60) -> AsyncIterator[int]:
-    """A lease for the test's entries; revoked at the end so the test's prefix is left empty."""
-    grant = await client.lease.grant(ttl, timeout=5)
-    try:
-        yield grant.ID
-    finally:
-        await client.lease.revoke(grant.ID, timeout=5)
 
 
 def _chain(n: int) -> list[bytes]:

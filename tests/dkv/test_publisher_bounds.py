@@ -18,13 +18,13 @@ import os
 import subprocess
 import sys
 import tracemalloc
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from dkv.etcd import MAX_TXN_OPS, Layout, make_client, prefix_end
+from tests.conftest import etcd_client as _etcd_client, etcd_lease as _lease
+from dkv.etcd import MAX_TXN_OPS, Layout, prefix_end
 from dkv.publisher import DirectoryPublisher
 from dkv.store import StoreKey
 
@@ -115,23 +115,6 @@ def test_publisher_batches_in_linear_time() -> None:
 # ---- resync: only this node's own entries -------------------------------------------------------
 
 
-@asynccontextmanager
-async def _etcd_client(url: str) -> AsyncIterator[Any]:
-    client = make_client(url)
-    await client.connect()
-    try:
-        yield client
-    finally:
-        await client.close()
-
-
-@asynccontextmanager
-async def _lease(client: Any, ttl: int = 60) -> AsyncIterator[int]:
-    grant = await client.lease.grant(ttl, timeout=5)
-    try:
-        yield grant.ID
-    finally:
-        await client.lease.revoke(grant.ID, timeout=5)
 
 
 async def _entries(client: Any, layout: Layout, node_id: str) -> set[tuple[str, bytes]]:

@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
 
-from dkv.etcd import MAX_TXN_OPS, Layout, MemberRecord, make_client
+from tests.conftest import etcd_client as _etcd, etcd_lease as _lease
+from dkv.etcd import MAX_TXN_OPS, Layout, MemberRecord
 from dkv.router import Router
 
 NS = "test/snap"
@@ -28,24 +28,6 @@ ANCHOR = "anchor"  # a member that never leaves and holds the whole chain
 WAIT = 20.0
 
 
-@asynccontextmanager
-async def _etcd(url: str) -> AsyncIterator[Any]:
-    client = make_client(url)
-    await client.connect()
-    try:
-        yield client
-    finally:
-        await client.close()
-
-
-@asynccontextmanager
-async def _lease(client: Any, ttl: int = 60) -> AsyncIterator[int]:
-    """A lease for the test's keys; revoked at the end, so the test's prefix is left empty."""
-    grant = await client.lease.grant(ttl, timeout=5)
-    try:
-        yield grant.ID
-    finally:
-        await client.lease.revoke(grant.ID, timeout=5)
 
 
 def _chain(n: int) -> list[bytes]:

@@ -25,26 +25,12 @@ import pytest
 from dkv.arena import PAGE, Arena, align_up
 from dkv.disk_tier import DiskTier
 from dkv.store import BUSY, WRITE, Store, StoreKey
+from tests.dkv.conftest import Clock
 
 NS = "t/disk"
 BLOCK = PAGE
-SLOTS = 8
+SLOTS = 8  # the arena fixture of tests/dkv/conftest.py
 BOUND = 20.0  # generous bound on every wait
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def arena() -> Iterator[Arena]:
-    a = Arena(SLOTS * BLOCK, label="unit-disk")
-    yield a
-    a.close()
 
 
 @pytest.fixture
