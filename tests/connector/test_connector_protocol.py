@@ -24,15 +24,18 @@ MAX_LEASES = 4
 # ---- the node's lease budget ------------------------------------------------------------------
 
 
+def _offloaded_and_a_reader(node, connectors):
+    """A writer offloads a 2-block chain; returns its rows, a reader's rows, the hashes and the reader."""
+    src = device_blocks(two_leaves())
+    offload_chain(connectors(node.address, blocks=src), src, hashes := chain(2))
+    dst = device_blocks(two_leaves())
+    return src, dst, hashes, connectors(node.address, blocks=dst)
+
+
 def test_handles_beyond_the_nodes_lease_budget_are_misses_never_broken_loads(node_factory, connectors) -> None:
     """More outstanding handles than ``--max-leases``: the node would end the oldest lease silently."""
     node = node_factory("--max-leases", str(MAX_LEASES))
-    src = device_blocks(two_leaves())
-    writer = connectors(node.address, blocks=src)
-    hashes = chain(2)
-    offload_chain(writer, src, hashes)
-    dst = device_blocks(two_leaves())
-    reader = connectors(node.address, blocks=dst)
+    src, dst, hashes, reader = _offloaded_and_a_reader(node, connectors)
     handles = [reader.start_lookup(hashes) for _ in range(MAX_LEASES + 3)]
     answers = [answered(h)["full"] for h in handles]
     assert answers.count([True, True]) == MAX_LEASES, f"exactly the budget is leased: {answers}"
@@ -56,12 +59,7 @@ async def test_load_whose_lease_the_node_no_longer_honours_is_refused_before_any
                                                                                            connectors) -> None:
     """Every connection of the reader dropped (a network blip): the node ended its leases. Refuse, do not post."""
     node = node_factory("--lease-ttl", "30")
-    src = device_blocks(two_leaves())
-    writer = connectors(node.address, blocks=src)
-    hashes = chain(2)
-    offload_chain(writer, src, hashes)
-    dst = device_blocks(two_leaves())
-    reader = connectors(node.address, blocks=dst)
+    src, dst, hashes, reader = _offloaded_and_a_reader(node, connectors)
     handle = reader.start_lookup(hashes)
     assert answered(handle)["full"] == [True, True]
 
