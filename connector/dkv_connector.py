@@ -24,7 +24,11 @@ lease is the replica's (``group = replica_idx``): the next lookup of the same
 replica ends it on that node, and the connector releases it itself when the
 next lookup goes elsewhere. Each ``start_lookup()`` handle holds its own lease
 until ``load_lookup`` (the read ends it), ``abandon_lookup``, or the node's TTL.
-A load whose lease would expire before the read is refused up front.
+Leases stay within the node's ``max_leases`` (:mod:`connector.lease_budget`):
+past it a lookup is a miss without asking. A load whose lease would expire
+before the read, or that the node no longer holds, is refused up front. Once
+posted, a read's bytes cannot change under it: the node pins them for the read
+itself, whatever happens to the lease (the next ``lookup()`` ends it at once).
 """
 
 from __future__ import annotations
