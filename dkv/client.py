@@ -46,6 +46,8 @@ T = TypeVar("T")
 DEFAULT_TIMEOUT = 10.0
 # The limits a node announces in its handshake, and the wire's own bounds used when it names none.
 WIRE_LIMITS = {"max_keys": MAX_KEYS, "max_frame": MAX_FRAME, "max_leaves": MAX_LEAVES}
+SMALL_REQUEST_KEYS = 1024  # this many keys (64-char leaves, 32-byte hashes) take under 128 KiB on the wire
+SMALL_FRAME = 256 * 1024  # a node whose frames are at least this large takes them in one request
 FRAME_SLACK = 64  # bytes kept free in every estimated frame (array/map headers that grow with a count)
 
 
@@ -307,6 +309,10 @@ class NodeClient:
             raise ValueError(f"shards must be in [1, 64], got {shards}")
         return {"hashes": check_hashes(hashes), "leaves": [check_leaf(x) for x in leaves], "shards": shards}
 
+    def _fits_without_estimate(self, keys: int) -> bool:
+        """True when ``keys`` keys surely fit one request of this node (few keys, frames of usual size)."""
+        return keys <= min(SMALL_REQUEST_KEYS, self.limit("max_keys")) and self.limit("max_frame") >= SMALL_FRAME
+
     async def _presence_requests(self, op: str, hashes: Sequence[bytes], leaves: Sequence[str], shards: int,
                                  **extra: Any) -> list[tuple[range, dict[str, Any]]]:
         """The requests a presence op (lookup, probe, touch) takes within the node's limits.
@@ -318,6 +324,8 @@ class NodeClient:
         fields = self._presence_fields(hashes, leaves, shards)
         await self._known_limits()
         all_hashes, all_leaves = fields["hashes"], fields["leaves"]
+        if len(all_leaves) <= self.limit("max_leaves") and self._fits_without_estimate(len(all_hashes)):
+            return [(range(len(all_hashes)), {"op": op, **fields, **extra})]  # far below any limit: no estimate
         hash_bytes = 2 + max((len(h) for h in all_hashes), default=0)  # msgpack bin8: 2 header bytes
         max_leaves = self.limit("max_leaves")
         requests = []
@@ -422,7 +430,7 @@ class NodeClient:
                         base: dict[str, Any]) -> list[range]:
         """Runs of ``wire_keys`` that each fit one request within the node's ``max_keys`` and ``max_frame``."""
         await self._known_limits()
-        if len(wire_keys) <= 64:  # far below any limit: skip the estimate
+        if self._fits_without_estimate(len(wire_keys)):
             return [range(len(wire_keys))]
         leaf_bytes: dict[str, int] = {}
         sizes = []
