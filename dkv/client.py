@@ -422,7 +422,9 @@ class NodeClient:
         wire_keys = _wire_keys(keys)
         runs = await self._key_runs(wire_keys, extra_per_key=0,
                                     base={"op": "read", "lease": lease_id, "keys": [], "end": True, "shm": True})
-        for i, run in enumerate(runs):
+        # deepest run first: each run is stamped as one use, so the root's run gets the newest stamp
+        # and the chain still evicts deepest first (as a split touch does)
+        for i, run in enumerate(reversed(runs)):
             await self._read_run(lease_id, wire_keys[run.start:run.stop], views[run.start:run.stop],
                                  end_lease and i == len(runs) - 1)
 
@@ -501,8 +503,9 @@ class NodeClient:
         (``exists``/``busy``). The blocks become visible only once all their
         bytes are in the node; on error nothing of this write is visible.
         More keys than one request may carry are written in several
-        two-phase writes, one after the other; on an error, the runs written
-        before it stay (each block is whole), the failing one leaves nothing.
+        two-phase writes, deepest run first (the root's run is then the newest
+        use and is evicted last); on an error, the runs written before it stay
+        (each block is whole), the failing one leaves nothing.
         """
         if len(keys) != len(sources):
             raise ValueError("write: one source per key")
@@ -510,10 +513,10 @@ class NodeClient:
         wire_keys = _wire_keys(keys)
         runs = await self._key_runs(wire_keys, extra_per_key=9,
                                     base={"op": "write", "keys": [], "sizes": [], "shm": True})
-        statuses: list[str] = []
-        for run in runs:
-            statuses += (await self._write_run(wire_keys[run.start:run.stop], views[run.start:run.stop])).statuses
-        return WriteResult(statuses)
+        parts: list[list[str]] = []
+        for run in reversed(runs):  # deepest run first, so the root's run is the newest use (see read)
+            parts.append((await self._write_run(wire_keys[run.start:run.stop], views[run.start:run.stop])).statuses)
+        return WriteResult([status for part in reversed(parts) for status in part])
 
     async def _write_run(self, wire_keys: list[list[Any]], views: list[memoryview]) -> WriteResult:
         """One two-phase write (see :meth:`write`)."""

@@ -33,3 +33,21 @@ async def test_read_and_write_of_more_keys_than_max_keys_are_split_not_refused(n
     stats = await client.stats()
     assert stats["leases"] == 0, "the last run of the read ends the lease"
 
+
+
+async def test_split_write_still_evicts_its_chain_deepest_first_and_root_last(node_factory, clients) -> None:
+    """Runs of a split write are separate uses: the root's run must be the newest, not the oldest."""
+    block, slots = 64 * 1024, 16
+    node = node_factory(pool=str(slots * block))
+    client = clients(node.address)
+    await client.connect()
+    client._target.info.limits["max_keys"] = 2  # noqa: SLF001 - a node that takes two keys a request
+    chain = [os.urandom(32) for _ in range(4)]
+    result = await client.write([BlockKey("L", 0, h) for h in chain], [b"\x01" * block] * 4)
+    assert result.statuses == ["write"] * 4
+    gone: list[int] = []
+    for _ in range(slots + 4):
+        await client.write([BlockKey("F", 0, os.urandom(32))], [b"\x00" * block])
+        mask = (await client.probe(chain, ["L"]))["L"]
+        gone += [i for i, present in enumerate(mask) if not present and i not in gone]
+    assert gone == [3, 2, 1, 0], "a split write must not leave the root's run older than the rest of its chain"
