@@ -286,6 +286,12 @@ async def leak_check() -> AsyncIterator[None]:
     assert _UCX is not None
     ucx_tasks = await on_ucx(_ucx_loop_tasks())
     assert not ucx_tasks, f"tasks left running on the UCX loop: {ucx_tasks}"
-    stray = [t for t in threading.enumerate() if t.ident not in threads_before and t.is_alive()
-             and not t.name.startswith("asyncio_")]  # the loop's own default executor
+    def stray_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.ident not in threads_before and t.is_alive()
+                and not t.name.startswith("asyncio_")]  # the loop's own default executor
+
+    deadline = time.monotonic() + 5  # a thread told to stop (gRPC's poller, say) may take a moment to end
+    while stray_threads() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    stray = stray_threads()
     assert not stray, f"threads left running: {stray}"
