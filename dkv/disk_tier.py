@@ -1,7 +1,11 @@
 """Optional disk tier: blocks evicted from the host pool spill here, and hits are read back.
 
 One file per spilled block under a directory the node owns (created at start,
-emptied at shutdown). A byte cap bounds it. Files are written to a temporary
+emptied at shutdown). A byte cap bounds it. Spilled blocks are as private as
+the arena: the tier's directory (``DIR/dkv-spill-<pid>``, always a new one) is
+mode 0700 and each file 0600, whatever the umask; ``DIR`` itself is created
+0700 when the node makes it, and left as it is when it exists (the 0700
+directory beneath keeps other users out). Files are written to a temporary
 name and renamed, so a crash never leaves a half-written block that could be
 read back. Every file gets a fresh name, so a late write, read or unlink of a
 block's old file can never touch a newer file of the same block.
@@ -51,7 +55,9 @@ class DiskTier:
             raise ConfigError("--disk-size must be positive when --disk is given")
         self.root = os.path.join(directory, f"dkv-spill-{os.getpid()}")
         try:
-            os.makedirs(self.root, exist_ok=False)
+            os.makedirs(directory, mode=0o700, exist_ok=True)  # 0700 if made here (parents: the umask's)
+            os.mkdir(self.root, 0o700)  # never an existing one: it could be someone else's, or wider
+            os.chmod(self.root, 0o700)  # exactly 0700, whatever the umask
         except OSError as exc:
             raise ConfigError(f"cannot create the disk tier under {directory}: {exc}") from exc
         self.capacity = capacity
@@ -142,10 +148,14 @@ class DiskTier:
 
     @staticmethod
     def write_file(path: str, data: bytes | bytearray | memoryview) -> None:
-        """Write ``data`` to ``path`` (temporary name, then rename). Raises ``OSError``; leaves no partial file."""
+        """Write ``data`` to ``path`` (temporary name, then rename). Raises ``OSError``; leaves no partial file.
+
+        The file is created mode 0600 (owner only, like the arena), never through an existing file or link.
+        """
         tmp = path + ".tmp"
         try:
-            with open(tmp, "wb") as fh:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as fh:
                 fh.write(data)
             os.replace(tmp, path)
         except BaseException:
