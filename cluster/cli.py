@@ -23,19 +23,23 @@ def cluster_up(
     pool: Annotated[str, typer.Option(help="Host pool per node.")] = "256MiB",
     cluster: Annotated[str, typer.Option(help="Cluster name.")] = "default",
     netns: Annotated[bool, typer.Option(help="Each process in its own network namespace on a private bridge (root).")] = False,
+    etcd_tls: Annotated[bool, typer.Option("--etcd-tls", help="etcd serves TLS and requires client certificates (a private CA, made in DIR/etcd-tls).")] = False,
+    etcd_auth: Annotated[bool, typer.Option("--etcd-auth", help="etcd requires a user and password (user dkv, password in DIR/etcd-password).")] = False,
 ) -> None:
     """Start etcd and N nodes, wait until all are registered, record them in DIR."""
+    import shlex
+
     from cluster.etcd_process import EtcdNotFound
     from cluster.local import up
 
     try:
-        record = up(dir, nodes, pool=pool, cluster=cluster, netns=netns)
+        record = up(dir, nodes, pool=pool, cluster=cluster, netns=netns, etcd_tls=etcd_tls, etcd_auth=etcd_auth)
     except (EtcdNotFound, FileExistsError, RuntimeError, TimeoutError) as exc:
         _fail(str(exc))
     print(f"cluster {record.cluster!r} up: etcd {record.etcd_url}, "
           + ", ".join(f"{n.node_id}@{n.address}" for n in record.nodes))
     prefix = " ".join(record.client_prefix())
-    print(f"inspect: {prefix + ' ' if prefix else ''}dkv peers --etcd {record.etcd_url}    "
+    print(f"inspect: {prefix + ' ' if prefix else ''}dkv peers {shlex.join(record.etcd_settings().cli_args())}    "
           f"stop: dkv cluster down --dir {dir}")
 
 

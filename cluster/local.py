@@ -7,7 +7,9 @@ started: PIDs, addresses, arena names. ``down`` stops exactly that: nodes
 gracefully (SIGTERM, then SIGKILL after a bound), then etcd, then removes the
 arena files the record names and the etcd data, leaving no process,
 shared-memory segment or temporary file behind. ``status`` reads the record
-and checks each PID and etcd's membership.
+and checks each PID and etcd's membership. ``up`` can secure etcd with TLS and
+client certificates and/or user/password authentication, and gives the nodes
+the same settings (see :func:`up`).
 
 :func:`topology` is the single description of what a cluster runs (services,
 commands, ports, environment); ``docker-compose.yml`` is checked against it.
@@ -24,16 +26,23 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from cluster.etcd_process import etcd_binary, free_port
+from cluster.etcd_process import etcd_binary, etcd_tls_args, free_port, make_certificates
 from cluster.netns import NETNS_ENV, NetnsLayout
+
+if TYPE_CHECKING:
+    from dkv.etcd import EtcdSettings
 
 STATE_FILE = "cluster.json"
 DEFAULT_CLUSTER = "default"
 NODE_PORT_BASE = 7420
 STOP_TIMEOUT = 10.0
 READY_TIMEOUT = 60.0
+ETCD_TLS_DIR = "etcd-tls"  # CA, etcd's and the clients' certificates (up --etcd-tls)
+ETCD_USER = "dkv"  # the nodes' etcd user (up --etcd-auth), allowed ETCD_AUTH_PREFIX only
+ETCD_AUTH_PREFIX = "/dkv/"
+ETCD_PASSWORD_FILES = ("etcd-password", "etcd-root-password")
 
 
 @dataclass
@@ -58,6 +67,14 @@ class ClusterRecord:
     started_at: float = 0.0
     netns: dict[str, Any] | None = None  # NetnsLayout fields when the cluster runs in namespaces
     token_file: str | None = None
+    # how etcd is secured (EtcdSettings fields but the endpoints: TLS files, user, password file), or None
+    etcd_security: dict[str, str] | None = None
+
+    def etcd_settings(self) -> EtcdSettings:
+        """How a client reaches this cluster's etcd: its URL plus the TLS files and user ``up`` made."""
+        from dkv.etcd import EtcdSettings
+
+        return EtcdSettings(self.etcd_url, **(self.etcd_security or {}))
 
     def netns_layout(self) -> NetnsLayout | None:
         if not self.netns:
@@ -165,12 +182,20 @@ def _spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subp
 
 def up(directory: str | Path, nodes: int = 3, *, pool: str = "256MiB", cluster: str = DEFAULT_CLUSTER,
        ready_timeout: float = READY_TIMEOUT, extra_node_args: tuple[str, ...] = (),
-       netns: bool = False) -> ClusterRecord:
+       netns: bool = False, etcd_tls: bool = False, etcd_auth: bool = False) -> ClusterRecord:
     """Start etcd and ``nodes`` nodes; return (and record) what was started. Cleans up if anything fails.
 
     With ``netns`` (root only) every process gets a network namespace and a private
     address of its own (:mod:`cluster.netns`), the nodes listen on those addresses
     with a generated cluster token, and UCX runs over TCP.
+
+    With ``etcd_tls`` etcd serves TLS only and requires client certificates: a
+    private CA, etcd's certificate and one client certificate are made in
+    ``DIR/etcd-tls/``. With ``etcd_auth`` etcd's user/password authentication is
+    on: user ``dkv`` may read and write ``/dkv/`` only; its password is in
+    ``DIR/etcd-password`` (root's in ``DIR/etcd-root-password``), mode 0600. The
+    nodes get the same settings (``--etcd-ca`` ... ``--etcd-password-file``);
+    :meth:`ClusterRecord.etcd_settings` gives them to clients.
     """
     directory = Path(directory).resolve()
     directory.mkdir(parents=True, exist_ok=True)
@@ -185,20 +210,34 @@ def up(directory: str | Path, nodes: int = 3, *, pool: str = "256MiB", cluster: 
     else:
         etcd_host, client_port, peer_port = "127.0.0.1", free_port(), free_port()
     etcd_data = directory / "etcd-data"
-    etcd_url = f"http://{etcd_host}:{client_port}"
+    etcd_url = f"{'https' if etcd_tls else 'http'}://{etcd_host}:{client_port}"
     record = ClusterRecord(str(directory), cluster, etcd_url, 0, str(etcd_data), started_at=time.time(),
                            netns=asdict(layout) if layout else None)
     record.save()
     try:
+        certs = None
+        if etcd_tls:
+            certs = make_certificates(directory / ETCD_TLS_DIR, hosts=tuple(dict.fromkeys((etcd_host, "127.0.0.1",
+                                                                                          "localhost"))))
+            record.etcd_security = {"ca_file": str(certs.ca), "cert_file": str(certs.client_cert),
+                                    "key_file": str(certs.client_key)}
+            record.save()
         etcd = _spawn([*(layout.exec_prefix("etcd") if layout else []), binary, "--name", "dkv",
                        "--data-dir", str(etcd_data),
                        "--listen-client-urls", etcd_url, "--advertise-client-urls", etcd_url,
                        "--listen-peer-urls", f"http://{etcd_host}:{peer_port}",
                        "--initial-advertise-peer-urls", f"http://{etcd_host}:{peer_port}",
-                       "--initial-cluster", f"dkv=http://{etcd_host}:{peer_port}", "--log-level", "warn"],
+                       "--initial-cluster", f"dkv=http://{etcd_host}:{peer_port}", "--log-level", "warn",
+                       *etcd_tls_args(certs)],
                       directory / "etcd.log")
         record.etcd_pid = etcd.pid
+        record.save()
+        if etcd_auth:
+            password_file = _enable_auth(record, ready_timeout)
+            record.etcd_security = {**(record.etcd_security or {}), "user": ETCD_USER,
+                                    "password_file": str(password_file)}
         node_args = list(extra_node_args)
+        node_args += record.etcd_settings().cli_args()[2:]  # the TLS and auth options (--etcd is set below)
         if layout is not None:
             token = directory / "token"
             token.write_text(os.urandom(24).hex())
@@ -234,10 +273,35 @@ def up(directory: str | Path, nodes: int = 3, *, pool: str = "256MiB", cluster: 
     return record
 
 
+_ENABLE_AUTH = (
+    "import asyncio, json, sys\n"
+    "from pathlib import Path\n"
+    "from cluster.etcd_process import enable_auth\n"
+    "from dkv.etcd import EtcdSettings\n"
+    "settings = EtcdSettings(**json.loads(sys.argv[1]))\n"
+    "print(asyncio.run(enable_auth(settings, Path(sys.argv[2]), user=sys.argv[3], prefix=sys.argv[4],"
+    " timeout=float(sys.argv[5]))))\n"
+)
+
+
+def _enable_auth(record: ClusterRecord, timeout: float) -> Path:
+    """Turn on etcd's authentication (:func:`cluster.etcd_process.enable_auth`), from where clients run
+    (inside the client namespace with --netns); returns the node user's password file."""
+    settings = {"endpoints": record.etcd_url, **(record.etcd_security or {})}
+    result = subprocess.run(
+        [*record.client_prefix(), sys.executable, "-c", _ENABLE_AUTH, json.dumps(settings), record.directory,
+         ETCD_USER, ETCD_AUTH_PREFIX, str(timeout)],
+        capture_output=True, text=True, timeout=timeout + 30, env={**os.environ, **NETNS_ENV}, check=False,
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"cannot enable etcd authentication: {result.stderr.strip()[-800:]}")
+    return Path(result.stdout.strip().splitlines()[-1])
+
+
 def _members(record: ClusterRecord, timeout: float = 10.0) -> dict[str, dict[str, Any]]:
     """The member records etcd holds, read by ``dkv peers --json`` (inside the client namespace with --netns)."""
     result = subprocess.run(
-        [*record.client_prefix(), sys.executable, "-m", "dkv.cli", "peers", "--etcd", record.etcd_url,
+        [*record.client_prefix(), sys.executable, "-m", "dkv.cli", "peers", *record.etcd_settings().cli_args(),
          "--cluster", record.cluster, "--json"],
         capture_output=True, text=True, timeout=timeout + 20, env={**os.environ, **NETNS_ENV},
     )
@@ -291,7 +355,8 @@ def down(directory: str | Path) -> list[str]:
     stopped = []
     for node in record.nodes:
         _stop_pid(node.pid)
-        Path("/dev/shm", node.shm).unlink(missing_ok=True)
+        if node.shm:  # a tokenless node's local credential file
+            Path("/dev/shm", node.shm).unlink(missing_ok=True)
         stopped.append(node.node_id)
     for ready in directory.glob("node-*.ready*"):
         ready.unlink(missing_ok=True)
@@ -305,5 +370,8 @@ def down(directory: str | Path) -> list[str]:
         stopped.append(f"namespaces {layout.tag}-*")
     if record.token_file:
         Path(record.token_file).unlink(missing_ok=True)
+    shutil.rmtree(Path(directory, ETCD_TLS_DIR), ignore_errors=True)
+    for secret in ETCD_PASSWORD_FILES:
+        Path(directory, secret).unlink(missing_ok=True)
     Path(directory, STATE_FILE).unlink(missing_ok=True)
     return stopped

@@ -19,8 +19,8 @@ from collections.abc import Awaitable, Callable
 
 from etcd3aio import Etcd3Client
 
-from dkv.errors import ClusterError, NodeIdTaken
-from dkv.etcd import DEFAULT_ETCD_TIMEOUT, Layout, MemberRecord
+from dkv.errors import NodeIdTaken
+from dkv.etcd import DEFAULT_ETCD_TIMEOUT, Layout, MemberRecord, cluster_error
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class Membership:
         except NodeIdTaken:
             raise
         except Exception as exc:
-            raise ClusterError(f"cannot register in etcd: {type(exc).__name__}: {exc}") from exc
+            raise cluster_error(exc, getattr(self.client, "settings", None), "registering in the cluster") from exc
         self._task = asyncio.create_task(self._keep_alive_forever(), name=f"dkv-membership-{self.node_id}")
 
     async def stop(self) -> None:

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dkv.etcd import DEFAULT_CLUSTER, DEFAULT_PREFIX, Layout, MemberRecord, make_client
+from dkv.etcd import DEFAULT_CLUSTER, DEFAULT_PREFIX, EtcdSettings, Layout, MemberRecord, make_client
 from dkv.hostid import host_id
 from dkv.membership import Membership
 from dkv.publisher import DirectoryPublisher
@@ -29,9 +29,13 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ClusterConfig:
-    """How a node joins a cluster (``dkv serve --etcd ...``)."""
+    """How a node joins a cluster (``dkv serve --etcd ...``).
 
-    etcd: str
+    ``etcd`` is the endpoints URL(s), or :class:`~dkv.etcd.EtcdSettings` for an
+    etcd with TLS and/or user/password authentication.
+    """
+
+    etcd: str | EtcdSettings
     cluster: str = DEFAULT_CLUSTER
     prefix: str = DEFAULT_PREFIX
     ttl: int = 10

@@ -31,7 +31,8 @@ from types import MappingProxyType
 
 from etcd3aio import Etcd3Client
 
-from dkv.etcd import DEFAULT_ETCD_TIMEOUT, Layout, MemberRecord, get_prefix, prefix_end
+from dkv.errors import DKVError
+from dkv.etcd import DEFAULT_ETCD_TIMEOUT, Layout, MemberRecord, cluster_error, get_prefix, prefix_end
 from dkv.hints import build_hint
 
 log = logging.getLogger(__name__)
@@ -142,8 +143,16 @@ class Router:
     # ---- lifecycle ----------------------------------------------------------------------------
 
     async def start(self, follow: bool = True) -> None:
-        """Load the snapshot (bounded by ``timeout``); with ``follow``, keep it current from a watch."""
-        await self._load_snapshot()
+        """Load the snapshot (bounded by ``timeout``); with ``follow``, keep it current from a watch.
+
+        Raises :class:`~dkv.errors.ClusterError` when etcd cannot be read (unreachable, TLS or auth refused).
+        """
+        try:
+            await self._load_snapshot()
+        except DKVError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - etcd and gRPC errors, translated
+            raise cluster_error(exc, getattr(self.client, "settings", None), "reading the cluster directory") from None
         if follow:
             self._task = asyncio.create_task(self._follow(), name="dkv-router-watch")
 

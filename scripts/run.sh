@@ -14,11 +14,11 @@ VENV=.venv
 # setup EXTRAS: etcd, .venv, and this project with the given pip extras (e.g. "test,max").
 setup() {
   local extras=$1
-  if ! command -v etcd >/dev/null 2>&1; then
-    echo "==> installing etcd (Debian package etcd-server)"
+  if ! command -v etcd >/dev/null 2>&1 || ! command -v openssl >/dev/null 2>&1; then
+    echo "==> installing etcd (Debian package etcd-server) and openssl (test certificates)"
     if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
     $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq etcd-server iproute2 >/dev/null
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq etcd-server iproute2 openssl >/dev/null
   fi
   local stamp="$VENV/.dkv-installed"
   local pins
