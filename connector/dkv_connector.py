@@ -42,7 +42,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -61,11 +61,18 @@ from connector.types import (
     AttentionKind,
     LeafSpec,
 )
-from dkv.client import NodeClient
+from dkv.client import LookupResult, NodeClient
 from dkv.store import EXISTS, WRITE
-from dkv.errors import DKVError, TransportError
-from dkv.etcd import DEFAULT_CLUSTER, DEFAULT_PREFIX, Layout, MemberRecord, make_client
-from dkv.hints import BEHIND_DEVICE, PEER_UNREACHABLE, UNKNOWN_PEER, UnusableHint, resolve_hint
+from dkv.errors import ChecksumMismatch, DKVError, PeerUnauthenticated, TransportError
+from dkv.etcd import DEFAULT_CLUSTER, DEFAULT_PREFIX, EtcdSettings, Layout, MemberRecord, make_client
+from dkv.hints import (
+    BEHIND_DEVICE,
+    PEER_UNREACHABLE,
+    UNAUTHENTICATED_PEER,
+    UNKNOWN_PEER,
+    UnusableHint,
+    resolve_hint,
+)
 from dkv.keys import check_hashes, check_namespace
 from dkv.loop_thread import acquire_shared_loop, release_shared_loop
 from dkv.router import Router
@@ -175,6 +182,9 @@ class _Transfer:
                 self._landed = True  # a failed offload stores nothing; the engine is not told
                 return True
             self._error = exc
+            if isinstance(exc, ChecksumMismatch):
+                raise KVLoadFailed(f"load failed its end-to-end checksum (corrupted or substituted blocks; "
+                                   f"nothing loaded may be used): {exc}") from exc
             raise KVLoadFailed(f"load failed after it was posted: {exc}") from exc
         try:
             if self._completion is not None and not self._completion.is_done():
@@ -226,6 +236,7 @@ class ConnectorCounters:
     loads: int = 0
     loads_refused: int = 0
     loads_failed: int = 0
+    checksum_failures: int = 0  # loads failed by their checksums (in loads_failed too); offloads the node refused
     blocks_loaded: int = 0
     offloads: int = 0
     blocks_offloaded: int = 0
@@ -236,6 +247,7 @@ class ConnectorCounters:
     releases_dropped: int = 0  # past MAX_QUEUED_RELEASES waiting for one node: the oldest, long ended by it
     peer_clients_closed: int = 0  # peer clients closed after PEER_IDLE_TIMEOUT unused
     lookups_over_lease_budget: int = 0  # the node's max_leases were all held: a miss without asking
+    lookups_truncated: int = 0  # longer than one leased request may be (max_cost, max_keys): the tail was a miss
     hints_behind_device: int = 0  # usable hints with nothing to add: the device already holds more
     unusable_hints: Counter[str] = field(default_factory=Counter)
 
@@ -252,12 +264,15 @@ class DKVConnector:
         node: str,
         node_id: str | None = None,
         etcd: str | None = None,
+        etcd_settings: EtcdSettings | None = None,
         cluster: str = DEFAULT_CLUSTER,
         etcd_prefix: str = DEFAULT_PREFIX,
         token: bytes | None = None,
+        tenant: str | None = None,
         timeout: float = 5.0,
         local: bool | None = None,
         peer_idle_timeout: float = PEER_IDLE_TIMEOUT,
+        checksums: bool = True,
     ) -> None:
         """Connect to the co-located node at ``node`` and, with ``etcd``, follow the cluster.
 
@@ -267,6 +282,16 @@ class DKVConnector:
         cluster (learned from the node when omitted). A peer's client unused
         for ``peer_idle_timeout`` seconds (and for its node's lease TTL, so
         that no lease of it can still be loaded from) is closed.
+
+        ``checksums`` (default on): offloads send each block's end-to-end
+        checksum and loads check every block against it (:mod:`dkv.checksum`);
+        a load whose bytes do not match fails with :class:`KVLoadFailed`,
+        counted in ``counters.checksum_failures``.
+
+        ``etcd_settings`` reaches an etcd with TLS and/or authentication
+        (:class:`dkv.etcd.EtcdSettings`, e.g. ``EtcdSettings.from_env()``); its
+        endpoints are used unless ``etcd`` is given too. Invalid settings raise
+        :class:`~dkv.errors.ConfigError`, a refusing etcd :class:`~dkv.errors.ClusterError`.
         """
         self._leaves = dict(leaves)
         self._validate_blocks(device_blocks)
@@ -274,10 +299,14 @@ class DKVConnector:
         self.namespace = check_namespace(namespace)
         self.node_address = node
         self.timeout = timeout
-        self._token = token
+        self._token = token  # the cluster token, or with ``tenant`` that tenant's secret
+        self._tenant = tenant
         self._local_path = local
-        self._etcd = etcd
-        self._layout = Layout(cluster, etcd_prefix) if etcd else None
+        self._checksums = checksums
+        if etcd_settings is not None:
+            etcd_settings = (replace(etcd_settings, endpoints=etcd) if etcd else etcd_settings).validate()
+        self._etcd: str | EtcdSettings | None = etcd_settings or etcd
+        self._layout = Layout(cluster, etcd_prefix) if self._etcd else None
         self.counters = ConnectorCounters()
         self._metrics = KVCacheMetrics()
         self._metrics_lock = threading.Lock()
@@ -365,8 +394,9 @@ class DKVConnector:
         if client is None:
             if not self._loop.in_loop():
                 raise RuntimeError(f"no client of {address}: clients are made on the loop thread")
-            client = _TrackedClient(address, self.namespace, token=self._token, timeout=self.timeout,
-                                    local=self._local_path)
+            client = _TrackedClient(address, self.namespace, token=self._token, tenant=self._tenant,
+                                    timeout=self.timeout,
+                                    local=self._local_path, checksums=self._checksums)
             self._clients[address] = client
             if address != self.node_address and self._sweeper is None and not self._closed:
                 self._sweeper = asyncio.get_running_loop().create_task(
@@ -473,7 +503,11 @@ class DKVConnector:
         a co-located node that does not answer makes lookups immediate misses
         (``lookups_skipped``).
         """
-        if self._closed or not isinstance(exc, (TransportError, TimeoutError, OSError)):
+        if isinstance(exc, PeerUnauthenticated):  # anyone can put an address into etcd: never trust it
+            if address != self.node_address:
+                self._count_unusable_hint(UNAUTHENTICATED_PEER)
+            log.error("node %s could not prove the cluster credential: %s", address, exc)
+        elif self._closed or not isinstance(exc, (TransportError, TimeoutError, OSError)):
             return  # an error reply (an expired lease, say) is an answer
         epoch = None
         if self._router is not None:
@@ -505,7 +539,7 @@ class DKVConnector:
                 self._count(lookups_over_lease_budget=1)
                 return None
         try:
-            result = await client.lookup(hashes, list(self._leaves), self._tp_shards, lease=True, group=group)
+            result = await self._leased_lookup(client, hashes, group)
         except BaseException:
             self._budget.give_back(address, slot)  # whatever the node did, the TTL ends it: do not wait on it
             raise
@@ -521,6 +555,25 @@ class DKVConnector:
                                      for h, ok in zip(hashes, mask) if not ok])
         return _LeaseState(address, result.lease_id, result.masks, hashes, hint, expires_at, peer,
                            client.lease_generation, slot)
+
+    async def _leased_lookup(self, client: NodeClient, hashes: list[bytes], group: int) -> LookupResult:
+        """One leased lookup of the longest prefix of ``hashes`` the node takes in one request.
+
+        A lease is one request, bounded by the node's ``max_cost`` (hashes x
+        leaves x shards) and ``max_keys``: a longer prefix is asked only as far
+        as those allow, and the rest is reported absent (a shorter hit, never
+        a refusal).
+        """
+        if client.info is None:
+            await client.connect()  # the node's limits come with its handshake
+        per_hash = max(1, len(self._leaves) * self._tp_shards)
+        fits = max(1, min(client.limit("max_cost") // per_hash, client.limit("max_keys")))
+        if len(hashes) <= fits:
+            return await client.lookup(hashes, list(self._leaves), self._tp_shards, lease=True, group=group)
+        self._count(lookups_truncated=1)
+        result = await client.lookup(hashes[:fits], list(self._leaves), self._tp_shards, lease=True, group=group)
+        absent = [False] * (len(hashes) - fits)
+        return LookupResult({leaf: mask + absent for leaf, mask in result.masks.items()}, result.lease_id)
 
     def _empty_masks(self, n: int) -> Masks:
         return {leaf: [False] * n for leaf in self._leaves}
@@ -758,6 +811,9 @@ class DKVConnector:
             await self._client(state.address).read(state.lease_id, keys, targets)  # type: ignore[arg-type]
         except Exception as exc:
             self._count(loads_failed=1)
+            if isinstance(exc, ChecksumMismatch):  # corrupted or substituted bytes: failed, never delivered
+                self._count(checksum_failures=1)
+                log.warning("a load from %s failed its checksum: %s", state.address, exc)
             if state.peer:
                 self._add_metrics(dkv_peer_load_failures=1)
             self._unanswered(state.address, exc)
@@ -791,8 +847,8 @@ class DKVConnector:
                 await asyncio.sleep(0.0005)
             try:
                 result = await self._client(self.node_address).write(plan.keys(), sources())
-            except Exception:
-                self._count(offloads_failed=1)
+            except Exception as exc:
+                self._count(offloads_failed=1, checksum_failures=int(isinstance(exc, ChecksumMismatch)))
                 raise
             self._count(blocks_offloaded=result.stored)
             self._add_metrics(d2h_bytes_copied=self._learn_offload(plan, result.statuses))

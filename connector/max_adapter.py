@@ -13,7 +13,10 @@ and defers to MAX's own factory otherwise. Configuration comes from the
 connector config's ``block_store_endpoint`` (the co-located node) and the
 environment: ``DKV_NODE`` (default ``127.0.0.1:7420``), ``DKV_ETCD``,
 ``DKV_ETCD_PREFIX``, ``DKV_CLUSTER``, ``DKV_NAMESPACE`` (default:
-``DKV_TENANT``, default ``max``, plus a digest of the cache params), ``DKV_TOKEN``.
+``DKV_TENANT``, default ``max``, plus a digest of the cache params), ``DKV_TOKEN``;
+an etcd with TLS or authentication also reads ``DKV_ETCD_CA``, ``DKV_ETCD_CERT``,
+``DKV_ETCD_KEY``, ``DKV_ETCD_USER``, ``DKV_ETCD_PASSWORD_FILE``
+(:meth:`dkv.etcd.EtcdSettings.from_env`).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 
 from connector.dkv_connector import DKVConnector
 from connector.types import LeafSpec, full_attention, sliding_window
-from dkv.etcd import DEFAULT_CLUSTER, DEFAULT_PREFIX
+from dkv.etcd import DEFAULT_CLUSTER, DEFAULT_PREFIX, EtcdSettings
 from dkv.keys import check_namespace
 
 FACTORY_MODULES = (
@@ -98,16 +101,22 @@ def create_connector(
     ]
     config = getattr(params, "kv_connector_config", None)
     node = getattr(config, "block_store_endpoint", None) or os.environ.get("DKV_NODE", DEFAULT_NODE)
-    token = os.environ.get("DKV_TOKEN")
+    # a tenant's own credential (DKV_TENANT + DKV_TENANT_SECRET), else the cluster token (DKV_TOKEN)
+    tenant_secret = os.environ.get("DKV_TENANT_SECRET")
+    tenant = os.environ.get("DKV_TENANT") if tenant_secret else None
+    if tenant_secret and not tenant:
+        raise ValueError("DKV_TENANT_SECRET needs DKV_TENANT: the tenant the secret belongs to")
+    token = tenant_secret or os.environ.get("DKV_TOKEN")
     return DKVConnector(
         specs,
         device_blocks,
         namespace=namespace_for(params),
         node=node,
-        etcd=os.environ.get("DKV_ETCD") or None,
+        etcd_settings=EtcdSettings.from_env() if os.environ.get("DKV_ETCD") else None,  # + DKV_ETCD_CA etc.
         etcd_prefix=os.environ.get("DKV_ETCD_PREFIX", DEFAULT_PREFIX),
         cluster=os.environ.get("DKV_CLUSTER", DEFAULT_CLUSTER),
         token=token.encode() if token else None,
+        tenant=tenant,
     )
 
 

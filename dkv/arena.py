@@ -1,18 +1,31 @@
-"""The host block pool: one page-aligned shared-memory arena per node, carved into slots.
+"""The host block pool: a byte budget over per-namespace memory segments, carved into slots.
 
-The node creates the arena as a file under ``/dev/shm`` (so a connector on the
-same machine can map it and copy without a socket), reserves its pages up front
-with ``posix_fallocate`` (a too-small ``/dev/shm`` fails at start, not with a
-SIGBUS later), and hands out page-aligned slots. Unaligned copies are several
-times slower here, so every slot starts on a 4 KiB boundary.
+Isolation is by construction. Each namespace's blocks live in a segment of
+their own: an anonymous ``memfd`` (no name under ``/dev/shm``, nothing left
+behind by a killed node) that is sparse, so a page exists only under a live
+slot. A same-host client is handed *its own namespace's* segment by file
+descriptor after authentication (:mod:`dkv.handover`), read-only when its
+credential only reads; no client can map another namespace's memory.
 
-When CUDA is present the arena is registered as pinned host memory so that
-device copies can DMA straight from it; without CUDA it stays plain pages.
+Freed bytes never come back: :meth:`Arena.free` zeroes the slot, so a slot
+handed out again holds zeros until its writer fills it. The zeroed pages stay
+mapped, so the next block of that namespace (usually of the same size: the
+allocator reuses an exact fit first) is written without page faults, which
+cost far more than the zeroing. Freed-but-mapped memory is bounded: once more
+than :data:`TRIM_SLACK` of the pool (or 1 GiB) is free but still resident
+across segments, :meth:`Arena.free` calls :meth:`Arena.trim`, which returns
+every free run's pages to the system (``MADV_REMOVE``). The pool's memory use therefore stays within
+``size`` plus that slack, whatever mix of namespaces churns through it.
 
-Allocation is first-fit over a sorted run list with coalescing on free and an
-exact-size fast path (blocks of one namespace layout share one size, so a freed
-slot is reused as is). The arena does no eviction: the store decides what to
-free when :meth:`Arena.alloc` returns ``None``.
+Every slot starts on a 4 KiB boundary (unaligned copies are several times
+slower here). Allocation within a segment is first-fit over a sorted run list
+with coalescing on free and an exact-size fast path (blocks of one namespace
+layout share one size). The arena does no eviction: the store decides what to
+free when :meth:`Arena.allocate` returns ``None``.
+
+The node's segments are not registered with CUDA: a same-host connector copies
+between its own mapping and its own pinned staging, and the node's own sends
+and receives are host-to-host.
 """
 
 from __future__ import annotations
@@ -21,15 +34,19 @@ import bisect
 import logging
 import mmap
 import os
-import secrets
+import stat
 from dataclasses import dataclass
+
+import numpy as np
 
 from dkv.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 PAGE = 4096
-SHM_DIR = "/dev/shm"
+DEFAULT_MAX_NAMESPACES = 256
+TRIM_SLACK = 1 / 8  # of the pool: freed memory kept resident for reuse before it is returned
+MAX_TRIM_SLACK = 2**30
 
 
 def align_up(nbytes: int, alignment: int = PAGE) -> int:
@@ -91,6 +108,10 @@ class SlotAllocator:
             self._add(start + size, length - size)
         self.used += size
 
+    def free_runs(self) -> list[tuple[int, int]]:
+        """``(start, length)`` of every free run, in address order."""
+        return [(start, self._length[start]) for start in self._starts]
+
     def _add(self, start: int, length: int) -> None:
         bisect.insort(self._starts, start)
         self._length[start] = length
@@ -105,97 +126,189 @@ class SlotAllocator:
             del self._by_size[length]
 
 
-@dataclass(frozen=True)
-class ArenaInfo:
-    """What a same-host client needs to map the arena: its shm name and size."""
+class Segment:
+    """One namespace's memory: a sparse anonymous memfd of ``span`` bytes, mapped read-write by the node."""
 
-    shm_name: str
-    size: int
+    def __init__(self, namespace: str, span: int, label: str) -> None:
+        self.namespace = namespace
+        self.span = span
+        self.fd = os.memfd_create(f"dkv-{label}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, span)
+            self._mmap = mmap.mmap(self.fd, span, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.view = memoryview(self._mmap)
+        self._bytes = np.frombuffer(self._mmap, dtype=np.uint8)  # zeroing without a temporary buffer
+        self.allocator = SlotAllocator(span)
+        self.holders = 0  # connections that were handed this segment and are still open
+
+    @property
+    def idle(self) -> bool:
+        """True when nothing lives in it and no connection holds it mapped: it may be dropped."""
+        return self.allocator.used == 0 and self.holders == 0
+
+    def share(self, writable: bool) -> int:
+        """A new descriptor of this segment for a client (read-only unless ``writable``); the caller closes it."""
+        if writable:
+            return os.dup(self.fd)
+        return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)  # cannot be mapped writable
+
+    def zero(self, offset: int, length: int) -> None:
+        self._bytes[offset : offset + length] = 0
+
+    def release_pages(self, offset: int, length: int) -> None:
+        """Give the pages of ``[offset, offset + length)`` back to the system; they read as zeros afterwards."""
+        self._mmap.madvise(mmap.MADV_REMOVE, offset, length)
+
+    def release_free_runs(self) -> None:
+        """Give back the pages of every free run (what :meth:`Arena.trim` does per segment)."""
+        for start, length in self.allocator.free_runs():
+            self.release_pages(start, length)
+
+    def close(self) -> None:
+        if self._mmap.closed:
+            return
+        self.view.release()
+        del self._bytes
+        try:
+            self._mmap.close()
+        except BufferError:  # a view still exported somewhere: the fd still goes
+            log.warning("segment of %s still has exported views at close", self.namespace)
+        os.close(self.fd)
 
 
 class Arena:
-    """A node's host pool: a shared-memory mapping and the slot allocator over it.
+    """A node's host pool: ``size`` bytes of slots shared by all namespaces, each in its own :class:`Segment`.
 
-    Owned by exactly one node process, which must call :meth:`close` (the file
-    under ``/dev/shm`` is unlinked there). Clients map it with :class:`ArenaMapping`.
+    Owned by exactly one node process, which must call :meth:`close`. A
+    namespace's segment is made on its first allocation or handover; at most
+    ``max_namespaces`` exist, and to make room for another, one that holds no
+    block and is mapped by no open connection (:meth:`hold`, :meth:`let_go`)
+    is dropped. A client therefore never keeps a segment the node replaced.
     """
 
-    def __init__(self, size: int, *, label: str = "node", pin: str = "auto") -> None:
+    def __init__(self, size: int, *, label: str = "node", max_namespaces: int = DEFAULT_MAX_NAMESPACES) -> None:
         if size < PAGE:
             raise ConfigError(f"pool size must be at least {PAGE} bytes, got {size}")
-        size = align_up(size)
-        self.shm_name = f"dkv-{label}-{os.getpid()}-{secrets.token_hex(4)}"
-        self.path = os.path.join(SHM_DIR, self.shm_name)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError as exc:
-                raise ConfigError(
-                    f"cannot reserve a {size}-byte pool in {SHM_DIR} ({exc.strerror}): "
-                    "lower --pool or enlarge /dev/shm (docker: shm_size)"
-                ) from exc
-            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            os.unlink(self.path)
-            raise
-        os.close(fd)
-        self.size = size
-        self.view = memoryview(self._mmap)
-        self.allocator = SlotAllocator(size)
-        self._pin = _pin_host_memory(self._mmap, size) if pin != "off" else None
+        self.size = align_up(size)
+        self.label = label
+        self.max_namespaces = max_namespaces
+        self.used = 0
+        self.resident_free = 0  # upper bound of freed bytes whose pages are still mapped (see trim)
+        self.trim_slack = min(int(self.size * TRIM_SLACK), MAX_TRIM_SLACK)
+        self.trims = 0
+        self._segments: dict[str, Segment] = {}
+        self._closed = False
 
     @property
-    def pinned(self) -> bool:
-        """True when the arena is registered with CUDA as pinned host memory."""
-        return self._pin is not None
+    def capacity(self) -> int:
+        return self.size
 
     @property
-    def info(self) -> ArenaInfo:
-        return ArenaInfo(self.shm_name, self.size)
+    def free_bytes(self) -> int:
+        return self.size - self.used
 
-    def slot(self, offset: int, nbytes: int) -> memoryview:
-        """The ``nbytes`` of the slot at ``offset`` (a view, no copy)."""
-        return self.view[offset : offset + nbytes]
+    @property
+    def segments(self) -> int:
+        return len(self._segments)
+
+    def segment(self, namespace: str) -> Segment | None:
+        """``namespace``'s segment, made now if it has none; ``None`` when the namespace bound is reached."""
+        seg = self._segments.get(namespace)
+        if seg is None:
+            if self._closed:
+                return None
+            if len(self._segments) >= self.max_namespaces:
+                idle = next((s for s in self._segments.values() if s.idle), None)
+                if idle is None:
+                    return None
+                del self._segments[idle.namespace]
+                idle.close()
+            seg = self._segments[namespace] = Segment(namespace, self.size, self.label)
+        return seg
+
+    def hold(self, namespace: str) -> None:
+        """A connection was handed ``namespace``'s segment: keep it while that connection is open."""
+        self._segments[namespace].holders += 1
+
+    def let_go(self, namespace: str) -> None:
+        """A connection that held ``namespace``'s segment ended."""
+        seg = self._segments.get(namespace)
+        if seg is not None:
+            seg.holders = max(0, seg.holders - 1)
+
+    def allocate(self, namespace: str, nbytes: int) -> int | None:
+        """Offset of a slot of ``align_up(nbytes)`` bytes in ``namespace``'s segment, or ``None``.
+
+        ``None`` when the pool's budget is spent (the store evicts and tries
+        again), the segment has no run that large, or no segment can be made.
+        """
+        need = align_up(max(nbytes, 1))
+        if self.used + need > self.size:
+            return None
+        seg = self.segment(namespace)
+        if seg is None:
+            return None
+        offset = seg.allocator.alloc(nbytes)
+        if offset is not None:
+            self.used += need
+            self.resident_free = max(0, self.resident_free - need)  # most likely a reused, resident run
+        return offset
+
+    def free(self, namespace: str, offset: int, nbytes: int) -> None:
+        """Return a slot, zeroed: nothing of it is ever read again. May :meth:`trim`."""
+        seg = self._segments[namespace]
+        size = align_up(max(nbytes, 1))
+        seg.zero(offset, size)  # cheaper than faulting fresh pages in on reuse
+        seg.allocator.free(offset, nbytes)
+        self.used -= size
+        self.resident_free += size
+        if self.resident_free > self.trim_slack:
+            self.trim()
+
+    def trim(self) -> None:
+        """Return the pages of every free run of every segment to the system (bounded by free runs)."""
+        if self.resident_free == 0:
+            return
+        for seg in self._segments.values():
+            seg.release_free_runs()
+        self.resident_free = 0
+        self.trims += 1
+
+    def slot(self, namespace: str, offset: int, nbytes: int) -> memoryview:
+        """The ``nbytes`` of ``namespace``'s slot at ``offset`` (a view, no copy; a zero-byte block owns none)."""
+        if nbytes == 0:
+            return memoryview(bytearray())
+        return self._segments[namespace].view[offset : offset + nbytes]
 
     def close(self) -> None:
-        """Unmap and unlink the arena. Idempotent."""
-        if self._mmap.closed:
-            return
-        if self._pin is not None:
-            _unpin_host_memory(self._pin)
-            self._pin = None
-        self.view.release()
-        try:
-            self._mmap.close()
-        except BufferError:  # a view still exported somewhere: unlink anyway
-            log.warning("arena %s still has exported views at close", self.shm_name)
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        """Unmap and close every segment. Idempotent."""
+        self._closed = True
+        for seg in self._segments.values():
+            seg.close()
+        self._segments.clear()
 
 
-class ArenaMapping:
-    """A same-host client's mapping of a node's arena (read and write through slot views)."""
+class SegmentMapping:
+    """A same-host client's mapping of one namespace segment it was handed (read-only unless writable)."""
 
-    def __init__(self, info: ArenaInfo) -> None:
-        if "/" in info.shm_name or not info.shm_name.startswith("dkv-"):
-            raise ValueError(f"not a dKV arena name: {info.shm_name!r}")
-        fd = os.open(os.path.join(SHM_DIR, info.shm_name), os.O_RDWR)
-        try:
-            if os.fstat(fd).st_size < info.size:
-                raise ValueError(f"arena {info.shm_name} is smaller than announced")
-            self._mmap = mmap.mmap(fd, info.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        self.info = info
+    def __init__(self, fd: int, size: int, writable: bool) -> None:
+        """Map ``size`` bytes of ``fd`` (the caller keeps and closes ``fd``)."""
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size < size:
+            raise ValueError("the handed-over descriptor is not a segment of the announced size")
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
+        self.identity = (info.st_dev, info.st_ino)  # the same segment handed over twice maps once
+        self.size = size
+        self.writable = writable
         self.view = memoryview(self._mmap)
 
     def slot(self, offset: int, nbytes: int) -> memoryview:
-        if offset < 0 or offset + nbytes > self.info.size:
-            raise ValueError(f"slot [{offset}, {offset + nbytes}) outside the arena")
+        if offset < 0 or offset + nbytes > self.size:
+            raise ValueError(f"slot [{offset}, {offset + nbytes}) outside the segment")
         return self.view[offset : offset + nbytes]
 
     def close(self) -> None:
@@ -204,47 +317,12 @@ class ArenaMapping:
             try:
                 self._mmap.close()
             except BufferError:
-                log.debug("arena mapping %s closed with live views", self.info.shm_name)
+                log.debug("segment mapping closed with live views")
 
 
-def open_mapping(info: ArenaInfo) -> ArenaMapping | None:
-    """Map a node's arena if it is reachable from this process, else ``None``."""
-    try:
-        return ArenaMapping(info)
-    except (OSError, ValueError) as exc:
-        log.debug("arena %s not mappable here: %s", info.shm_name, exc)
-        return None
+@dataclass(frozen=True)
+class SegmentGrant:
+    """What a handover gives a client: the segment's size and whether it may write."""
 
-
-def _pin_host_memory(buffer: mmap.mmap, size: int) -> object | None:
-    """Register the arena with CUDA as pinned memory when a GPU is present.
-
-    Returns the handle :func:`_unpin_host_memory` takes, or ``None`` when the
-    arena stays pageable (no GPU, no torch, or registration refused).
-    """
-    if not os.path.exists("/dev/nvidiactl"):
-        return None
-    try:
-        import ctypes
-
-        import torch
-
-        if not torch.cuda.is_available():
-            return None
-        anchor = ctypes.c_char.from_buffer(buffer)
-        err = torch.cuda.cudart().cudaHostRegister(ctypes.addressof(anchor), size, 0)
-        if int(err) != 0:
-            log.warning("cudaHostRegister failed (%s); arena stays pageable", err)
-            return None
-        return anchor
-    except Exception as exc:  # noqa: BLE001 - pinning is an optimisation, never fatal
-        log.warning("could not pin the arena: %s", exc)
-        return None
-
-
-def _unpin_host_memory(anchor: object) -> None:
-    import ctypes
-
-    import torch
-
-    torch.cuda.cudart().cudaHostUnregister(ctypes.addressof(anchor))
+    size: int
+    writable: bool

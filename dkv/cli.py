@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import json
 import logging
 import os
@@ -48,18 +50,84 @@ def fail(message: str) -> None:
     raise typer.Exit(2)
 
 
+# ---- etcd connection options: one set, given to every command that takes --etcd ------------------
+
+ETCD_OPTIONS: dict[str, Any] = {
+    "etcd_ca": Annotated[Optional[Path], typer.Option(
+        "--etcd-ca", envvar="DKV_ETCD_CA",
+        help="CA certificate (PEM) that signed etcd's server certificate: turns on TLS (needed for https://).")],
+    "etcd_cert": Annotated[Optional[Path], typer.Option(
+        "--etcd-cert", envvar="DKV_ETCD_CERT",
+        help="Client certificate (PEM) for an etcd with --client-cert-auth (with --etcd-key).")],
+    "etcd_key": Annotated[Optional[Path], typer.Option(
+        "--etcd-key", envvar="DKV_ETCD_KEY", help="The client certificate's private key (PEM).")],
+    "etcd_user": Annotated[Optional[str], typer.Option(
+        "--etcd-user", envvar="DKV_ETCD_USER", help="etcd user, for an etcd with authentication enabled.")],
+    "etcd_password_file": Annotated[Optional[Path], typer.Option(
+        "--etcd-password-file", envvar="DKV_ETCD_PASSWORD_FILE",
+        help="File holding the etcd user's password (trailing newline ignored).")],
+    "etcd_server_name": Annotated[Optional[str], typer.Option(
+        "--etcd-server-name", envvar="DKV_ETCD_SERVER_NAME",
+        help="Name etcd's TLS certificate must carry (default: the first endpoint's host).")],
+}
+
+
+def etcd_options(command: Any) -> Any:
+    """Add the :data:`ETCD_OPTIONS` (TLS, authentication) to a command that takes ``--etcd``.
+
+    The command declares ``etcd_settings: Any = None`` and receives a function
+    that turns its ``--etcd`` endpoints into validated :class:`dkv.etcd.EtcdSettings`
+    (it raises ConfigError, so call it where DKVError is reported).
+    """
+    signature = inspect.signature(command, eval_str=True)
+    shown = [p for name, p in signature.parameters.items() if name != "etcd_settings"]
+    added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
+             for name, annotation in ETCD_OPTIONS.items()]
+
+    @functools.wraps(command)
+    def with_etcd_options(*args: Any, **kwargs: Any) -> Any:
+        given = {name: kwargs.pop(name, None) for name in ETCD_OPTIONS}
+
+        def settings(endpoints: str) -> Any:
+            from dkv.etcd import EtcdSettings
+
+            return EtcdSettings(endpoints, ca_file=given["etcd_ca"], cert_file=given["etcd_cert"],
+                                key_file=given["etcd_key"], user=given["etcd_user"],
+                                password_file=given["etcd_password_file"],
+                                server_name=given["etcd_server_name"]).validate()
+
+        return command(*args, etcd_settings=settings, **kwargs)
+
+    with_etcd_options.__signature__ = signature.replace(parameters=[*shown, *added])  # type: ignore[attr-defined]
+    with_etcd_options.__annotations__ = {**{p.name: p.annotation for p in shown}, **ETCD_OPTIONS,
+                                         "return": signature.return_annotation}
+    return with_etcd_options
+
+
 @app.command()
+@etcd_options
 def serve(
     listen: Annotated[str, typer.Option(help="HOST:PORT to advertise and listen on (port 0 = any free port).")] = f"127.0.0.1:{DEFAULT_PORT}",
     pool: Annotated[str, typer.Option(help="Host pool size, e.g. 512MiB, 8GiB.")] = "1GiB",
     disk: Annotated[Optional[Path], typer.Option(help="Directory of the optional disk tier.")] = None,
     disk_size: Annotated[str, typer.Option(help="Byte cap of the disk tier, e.g. 20GiB.")] = "0",
-    token_file: Annotated[Optional[Path], typer.Option(help="File holding the cluster token (required beyond loopback). DKV_TOKEN also works.")] = None,
+    token_file: Annotated[Optional[Path], typer.Option(help="File holding the cluster token (required beyond loopback; without one only same-host clients of this OS user get in). DKV_TOKEN also works.")] = None,
+    tenants: Annotated[Optional[Path], typer.Option(help="TOML file of tenant credentials: secret, namespaces, access, quotas (see README, Security).")] = None,
+    max_namespaces: Annotated[int, typer.Option(help="Namespaces whose blocks the pool may hold at once (one memory segment each).")] = 256,
     node_id: Annotated[Optional[str], typer.Option(help="Node id (default: a random one).")] = None,
     namespace: Annotated[Optional[list[str]], typer.Option(help="Serve only these namespaces (repeatable; default: any).")] = None,
     lease_ttl: Annotated[float, typer.Option(help="Seconds a lookup's lease pins its blocks.")] = 10.0,
     max_leases: Annotated[int, typer.Option(help="Leases one client may hold; one more ends its oldest.")] = 64,
+    max_leases_total: Annotated[int, typer.Option(help="Leases the node holds in all; at it a leased lookup is refused (busy) rather than end anyone's lease.")] = 65536,
+    max_blocks: Annotated[Optional[int], typer.Option(help="Blocks the node indexes (any tier, reserved included; zero-byte ones too); at it the oldest go. Default: pool / 16 KiB, at least 16384.")] = None,
+    max_reserved_per_connection: Annotated[Optional[str], typer.Option(help="Bytes one connection's uncommitted writes may reserve; beyond, keys are answered full. Default: pool/8, at least 256MiB.")] = None,
     read_ttl: Annotated[float, typer.Option(help="Seconds a read's own pins may last (a same-host copy that takes longer is failed).")] = 30.0,
+    verify_writes: Annotated[bool, typer.Option("--verify-writes/--no-verify-writes", help="Check each written block against the checksum its writer declared before it becomes visible (a mismatch is not stored).")] = True,
+    max_connections: Annotated[int, typer.Option(help="Connections the node holds in all; at it the longest-idle one that holds nothing live is closed for a new one, else the new one is refused (busy).")] = 1024,
+    max_connections_per_credential: Annotated[Optional[int], typer.Option(help="Connections one credential may hold where its tenants entry sets none (default: half of --max-connections).")] = None,
+    max_unauthenticated: Annotated[int, typer.Option(help="Connections still in their handshake at once; beyond, new ones are refused (busy).")] = 64,
+    idle_timeout: Annotated[float, typer.Option(help="Seconds a connection may sit idle; then it is closed once it holds nothing live (clients reconnect by themselves).")] = 60.0,
+    max_cost: Annotated[int, typer.Option(help="Hashes x leaves x shards one lookup, probe or touch may cost; more is refused (clients split unleased ones).")] = 16384,
     etcd: Annotated[Optional[str], typer.Option(help="etcd endpoints URL[,URL...]: join a cluster (membership + directory).")] = None,
     cluster: Annotated[str, typer.Option(help="Cluster name (etcd keys live under PREFIX/CLUSTER/).")] = "default",
     etcd_prefix: Annotated[str, typer.Option(help="etcd key prefix.")] = "/dkv",
@@ -68,8 +136,10 @@ def serve(
     ready_file: Annotated[Optional[Path], typer.Option(help="Write a JSON line with the bound address here once serving.")] = None,
     exit_with_parent: Annotated[bool, typer.Option(help="Stop (gracefully) once the process that started this node has exited.")] = False,
     log_level: Annotated[str, typer.Option(help="Logging level.")] = "INFO",
+    etcd_settings: Any = None,  # from @etcd_options: --etcd-ca, --etcd-cert, --etcd-key, --etcd-user, ...
 ) -> None:
     """Run a dKV node until SIGTERM or SIGINT (graceful: nothing is left behind)."""
+    from dkv.credentials import load_tenants
     from dkv.server import NodeConfig
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -80,12 +150,23 @@ def serve(
             host=host,
             port=port,
             token=read_token(token_file),
+            tenants=load_tenants(tenants) if tenants else None,
+            max_namespaces=max_namespaces,
             namespaces=frozenset(namespace) if namespace else None,
             disk_dir=str(disk) if disk else None,
             disk_size=parse_size(disk_size),
             lease_ttl=lease_ttl,
             max_leases_per_client=max_leases,
+            max_leases=max_leases_total,
+            max_blocks=max_blocks,
+            max_reserved_bytes_per_connection=parse_size(max_reserved_per_connection) if max_reserved_per_connection else None,
             read_ttl=read_ttl,
+            verify_writes=verify_writes,
+            max_connections=max_connections,
+            max_connections_per_credential=max_connections_per_credential,
+            max_unauthenticated=max_unauthenticated,
+            idle_timeout=idle_timeout,
+            max_cost=max_cost,
             **({"node_id": node_id} if node_id else {}),
         )
         cluster_config = None
@@ -94,7 +175,7 @@ def serve(
 
             if not node_id:
                 raise ConfigError("--etcd needs --node-id: the cluster knows a node by its id")
-            cluster_config = ClusterConfig(etcd=etcd, cluster=cluster, prefix=etcd_prefix, ttl=etcd_ttl,
+            cluster_config = ClusterConfig(etcd=etcd_settings(etcd), cluster=cluster, prefix=etcd_prefix, ttl=etcd_ttl,
                                            publish_every=publish_every)
         asyncio.run(_serve(config, cluster_config, ready_file, exit_with_parent))
     except (DKVError, ValueError) as exc:
@@ -123,15 +204,18 @@ async def _serve(config: Any, cluster_config: Any, ready_file: Path | None, exit
     watch = asyncio.create_task(_when_parent_exits(os.getppid(), stop)) if exit_with_parent else None
     try:
         await server.start()
+        # "shm": the one file the node keeps under /dev/shm (a tokenless node's local credential), or ""
+        credential = server.local_credential
         ready = {"address": server.address, "port": server.port, "node_id": config.node_id,
-                 "pid": os.getpid(), "shm": server.arena.shm_name, "epoch": server.epoch,
+                 "pid": os.getpid(), "shm": credential.name if credential else "", "epoch": server.epoch,
                  "cluster": cluster_config.cluster if cluster_config else None}
         if ready_file is not None:
             tmp = ready_file.with_suffix(".tmp")
             tmp.write_text(json.dumps(ready) + "\n")
             tmp.replace(ready_file)
+        access = f"same-host clients only (credential {credential.path})" if credential else "cluster token"
         print(f"dkv node {config.node_id} serving on {server.address} "
-              f"(pool {format_size(server.arena.size)}, shm {server.arena.shm_name})", flush=True)
+              f"(pool {format_size(server.arena.size)}, {access})", flush=True)
         await stop.wait()
     finally:
         if watch is not None:
@@ -164,7 +248,7 @@ def stats(
         ("epoch", result["epoch"]),
         ("uptime", f"{result['uptime_s']:.0f} s"),
         ("host pool", f"{format_size(host['used'])} / {format_size(host['total'])} used"
-                      f"{' (pinned)' if host['pinned'] else ''}"),
+                      f" in {host['segments']} namespace segment(s)"),
         ("disk tier", f"{format_size(disk['used'])} / {format_size(disk['total'])} used" if disk["total"] else "off"),
         ("blocks", f"{result['blocks']} ({result['blocks_on_disk']} on disk)"),
         ("leases", f"{result['leases']} ({result['pinned_blocks']} blocks pinned)"),
@@ -200,9 +284,10 @@ PrefixOption = Annotated[str, typer.Option("--etcd-prefix", help="etcd key prefi
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 
 
-async def _with_router(etcd: str, cluster: str, prefix: str, fn: Any, *, follow: bool = False,
+async def _with_router(etcd: Any, cluster: str, prefix: str, fn: Any, *, follow: bool = False,
                        on_event: Any = None) -> Any:
-    from dkv.etcd import Layout, make_client
+    """Run ``fn(router, client)`` on a router of the cluster; ``etcd`` is an EtcdSettings (or a URL)."""
+    from dkv.etcd import Layout, cluster_error, make_client
     from dkv.router import Router
 
     client = make_client(etcd)
@@ -214,7 +299,7 @@ async def _with_router(etcd: str, cluster: str, prefix: str, fn: Any, *, follow:
     except DKVError:
         raise
     except Exception as exc:  # etcd errors: say which endpoint and why, no traceback
-        raise DKVError(f"etcd at {etcd}: {type(exc).__name__}: {exc}") from exc
+        raise cluster_error(exc, getattr(client, "settings", None)) from exc
     finally:
         await router.stop()
         await client.close()
@@ -233,8 +318,9 @@ def _hashes(values: list[str]) -> list[bytes]:
 
 
 @app.command()
+@etcd_options
 def peers(etcd: EtcdOption, cluster: ClusterOption = "default", etcd_prefix: PrefixOption = "/dkv",
-          as_json: JsonOption = False) -> None:
+          as_json: JsonOption = False, etcd_settings: Any = None) -> None:
     """List the cluster's live peers: address, epoch, tiers, published blocks, lease TTL left."""
 
     async def collect(router: Any, client: Any) -> list[dict[str, Any]]:
@@ -253,7 +339,7 @@ def peers(etcd: EtcdOption, cluster: ClusterOption = "default", etcd_prefix: Pre
         return rows
 
     try:
-        rows = asyncio.run(_with_router(etcd, cluster, etcd_prefix, collect))
+        rows = asyncio.run(_with_router(etcd_settings(etcd), cluster, etcd_prefix, collect))
     except DKVError as exc:
         fail(str(exc))
     if as_json:
@@ -272,13 +358,15 @@ def peers(etcd: EtcdOption, cluster: ClusterOption = "default", etcd_prefix: Pre
 
 
 @app.command()
+@etcd_options
 def where(hashes: Annotated[list[str], typer.Argument(help="Block hashes in hex.")],
           ns: Annotated[str, typer.Option("--ns", help="Namespace.")], etcd: EtcdOption,
-          cluster: ClusterOption = "default", etcd_prefix: PrefixOption = "/dkv", as_json: JsonOption = False) -> None:
+          cluster: ClusterOption = "default", etcd_prefix: PrefixOption = "/dkv", as_json: JsonOption = False,
+          etcd_settings: Any = None) -> None:
     """Which live peers announced each hash."""
     try:
         wanted = _hashes(hashes)
-        found = asyncio.run(_with_router(etcd, cluster, etcd_prefix,
+        found = asyncio.run(_with_router(etcd_settings(etcd), cluster, etcd_prefix,
                                          lambda r, c: _async_value({h.hex(): sorted(r.holders(ns, h)) for h in wanted})))
     except DKVError as exc:
         fail(str(exc))
@@ -294,13 +382,16 @@ def where(hashes: Annotated[list[str], typer.Argument(help="Block hashes in hex.
 
 
 @app.command()
+@etcd_options
 def route(hashes: Annotated[list[str], typer.Argument(help="The request's block hashes in hex, root first.")],
           ns: Annotated[str, typer.Option("--ns", help="Namespace.")], etcd: EtcdOption,
-          cluster: ClusterOption = "default", etcd_prefix: PrefixOption = "/dkv", as_json: JsonOption = False) -> None:
+          cluster: ClusterOption = "default", etcd_prefix: PrefixOption = "/dkv", as_json: JsonOption = False,
+          etcd_settings: Any = None) -> None:
     """The peer holding the longest prefix, how deep, and the request's dkv_cache_hint."""
     try:
         wanted = _hashes(hashes)
-        chosen = asyncio.run(_with_router(etcd, cluster, etcd_prefix, lambda r, c: _async_value(r.route(ns, wanted))))
+        chosen = asyncio.run(_with_router(etcd_settings(etcd), cluster, etcd_prefix,
+                                          lambda r, c: _async_value(r.route(ns, wanted))))
     except DKVError as exc:
         fail(str(exc))
     result = {"peer": chosen.peer.node_id if chosen.peer else None,
@@ -318,10 +409,11 @@ def route(hashes: Annotated[list[str], typer.Argument(help="The request's block 
 
 
 @app.command()
+@etcd_options
 def watch(etcd: EtcdOption, cluster: ClusterOption = "default", etcd_prefix: PrefixOption = "/dkv",
           count: Annotated[int, typer.Option(help="Stop after this many events (0 = never).")] = 0,
           duration: Annotated[float, typer.Option(help="Stop after this many seconds (0 = never).")] = 0.0,
-          as_json: JsonOption = False) -> None:
+          as_json: JsonOption = False, etcd_settings: Any = None) -> None:
     """Print join/leave/update/publish/unpublish events live (Ctrl-C to stop)."""
     done = asyncio.Event()
     seen = 0
@@ -346,7 +438,7 @@ def watch(etcd: EtcdOption, cluster: ClusterOption = "default", etcd_prefix: Pre
             pass
 
     try:
-        asyncio.run(_with_router(etcd, cluster, etcd_prefix, follow, follow=True, on_event=show))
+        asyncio.run(_with_router(etcd_settings(etcd), cluster, etcd_prefix, follow, follow=True, on_event=show))
     except DKVError as exc:
         fail(str(exc))
 

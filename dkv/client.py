@@ -6,10 +6,17 @@ Idempotent ops (lookup, probe, touch, release, stats) are retried with
 jittered exponential back-off on transport errors; reads and writes are not
 (the caller decides, since a read may have written part of its destination).
 
-When the node shares this machine's memory (same host id, arena mappable),
-reads and writes copy straight through the mapped arena and only the control
-messages cross UCX ("the same-host path"); otherwise block bytes travel as UCX
+When the node runs on this machine, each connection trades the one-time
+ticket of its handshake for a descriptor of *its own namespace's* segment
+(:mod:`dkv.handover`; read-only for a read-only credential) and reads and
+writes copy straight through that mapping, with only the control messages
+crossing UCX ("the same-host path"); otherwise block bytes travel as UCX
 messages ("the listener path"). ``local=False`` forces the listener path.
+
+The handshake is mutual (:func:`handshake`): the client proves its credential
+(the cluster token, a tenant's secret, or a tokenless node's local credential
+file) and checks the node's proof of the same credential, so an address that
+merely appears in etcd cannot pose as a node (:class:`PeerUnauthenticated`).
 
 Every public coroutine is bounded by ``timeout``.
 """
@@ -18,6 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
 import secrets
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -25,10 +34,15 @@ from typing import Any, TypeVar
 
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
 
-from dkv.arena import ArenaInfo, ArenaMapping, open_mapping
+from dkv.arena import SegmentMapping
+from dkv.checksum import CHECKSUM_SIZE, block_checksum, is_checksum
+from dkv.checksum import verify as checksum_matches
+from dkv.credentials import read_local_credential
 from dkv.errors import (
     AuthError,
+    ChecksumMismatch,
     DKVError,
+    PeerUnauthenticated,
     ProtocolError,
     ReadNotIntact,
     RemoteError,
@@ -36,19 +50,35 @@ from dkv.errors import (
     remote_error,
 )
 from dkv.hostid import host_id
-from dkv.keys import BlockKey, check_hashes, check_leaf, check_namespace, check_shard
+from dkv.keys import MAX_TP_SHARDS, BlockKey, check_hashes, check_leaf, check_namespace, check_shard
 from dkv.store import WRITE
+from dkv.handover import redeem
 from dkv.transport import Connection, connect, hold_transport, release_transport
 from dkv.units import parse_address
-from dkv.wire import MAX_FRAME, MAX_KEYS, MAX_LEAVES, PROTOCOL_VERSION, encode_body, token_proof
+from dkv.wire import (
+    MAX_FRAME,
+    MAX_KEYS,
+    MAX_LEAVES,
+    NONCE_SIZE,
+    PROTOCOL_VERSION,
+    client_proof,
+    encode_body,
+    node_proof,
+    proof_equals,
+)
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 DEFAULT_TIMEOUT = 10.0
 # The limits a node announces in its handshake, and the wire's own bounds used when it names none.
-WIRE_LIMITS = {"max_keys": MAX_KEYS, "max_frame": MAX_FRAME, "max_leaves": MAX_LEAVES}
+# max_cost: hashes x leaves x shards of one lookup, probe or touch (a node that names none takes any).
+WIRE_LIMITS = {"max_keys": MAX_KEYS, "max_frame": MAX_FRAME, "max_leaves": MAX_LEAVES,
+               "max_cost": MAX_KEYS * MAX_LEAVES * MAX_TP_SHARDS}
 SMALL_REQUEST_KEYS = 1024  # this many keys (64-char leaves, 32-byte hashes) take under 128 KiB on the wire
 SMALL_FRAME = 256 * 1024  # a node whose frames are at least this large takes them in one request
 FRAME_SLACK = 64  # bytes kept free in every estimated frame (array/map headers that grow with a count)
+CHECKSUM_WIRE_BYTES = CHECKSUM_SIZE + 2  # one checksum in a write request: msgpack bin8
 
 
 @dataclass(frozen=True)
@@ -58,7 +88,6 @@ class NodeInfo:
     node_id: str
     epoch: str
     host: str
-    arena: ArenaInfo
     limits: dict[str, Any]
 
 
@@ -82,15 +111,50 @@ class WriteResult:
 
 
 class _Session:
-    """One handshaken connection."""
+    """One handshaken connection, with the segment mapping it was handed (same-host path) if any."""
 
-    def __init__(self, conn: Connection, info: NodeInfo) -> None:
+    def __init__(self, conn: Connection, info: NodeInfo, mapping: SegmentMapping | None = None) -> None:
         self.conn = conn
         self.info = info
+        self.mapping = mapping
 
     async def request(self, message: dict[str, Any], timeout: float) -> dict[str, Any]:
         await self.conn.send_message(message, timeout)
         return _check_reply(await self.conn.recv_message(timeout))
+
+
+async def handshake(conn: Connection, namespace: str, *, secret: bytes | None = None, tenant: str | None = None,
+                    client_id: str = "raw", host: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
+    """Run the client's side of the handshake on ``conn``; returns the node's accepting reply.
+
+    ``secret`` is the cluster token, or ``tenant``'s secret; without one, a
+    tokenless node's local credential is read from the file its challenge
+    names (readable only on its host, by its OS user). The node must prove
+    the same secret back: :class:`PeerUnauthenticated` otherwise.
+    :class:`AuthError` when the node refuses us.
+    """
+    challenge = await conn.recv_message(timeout)
+    if challenge.get("ok") is False:
+        _check_reply(challenge)  # refused before any handshake: at a connection cap (NodeBusy)
+    nonce = challenge.get("nonce")
+    if challenge.get("t") != "challenge" or not isinstance(nonce, bytes):
+        raise ProtocolError(f"{conn.peer} did not open with a dKV challenge")
+    if secret is None and tenant is None and isinstance(challenge.get("local"), str):
+        secret = read_local_credential(challenge["local"])
+    cnonce = secrets.token_bytes(NONCE_SIZE)
+    await conn.send_message(
+        {"op": "hello", "v": PROTOCOL_VERSION, "ns": namespace, "client": client_id, "tenant": tenant,
+         "cnonce": cnonce, "proof": client_proof(secret, nonce, cnonce, namespace, tenant),
+         "host": host or host_id()},
+        timeout,
+    )
+    reply = _check_reply(await conn.recv_message(timeout))
+    node = reply.get("node")
+    if secret is None or not isinstance(node, str) or not proof_equals(
+            node_proof(secret, nonce, cnonce, node), reply.get("proof")):
+        raise PeerUnauthenticated(f"{conn.peer} accepted us but could not prove the credential: "
+                                  "not a node of this cluster")
+    return reply
 
 
 def _check_reply(reply: dict[str, Any]) -> dict[str, Any]:
@@ -118,28 +182,31 @@ class NodeClient:
         namespace: str,
         *,
         token: bytes | None = None,
+        tenant: str | None = None,
         client_id: str | None = None,
         pool_size: int = 4,
         timeout: float = DEFAULT_TIMEOUT,
         local: bool | None = None,
         retries: int = 3,
+        checksums: bool = True,
     ) -> None:
         self.host, self.port = parse_address(address)
         self.address = address
         self.namespace = check_namespace(namespace)
-        self.token = token
+        self.token = token  # the cluster token, or with ``tenant`` that tenant's secret
+        self.tenant = tenant
         self.client_id = client_id or secrets.token_hex(8)
         self.timeout = timeout
         self.local = local
         self.retries = retries
+        self.checksums = checksums  # send each written block's checksum; check each read block against its own
         self._pool_size = pool_size
         self._idle: list[_Session] = []
         self._sessions: set[_Session] = set()  # open connections, idle or in use
         self.lease_generation = 0  # moves on each time this client is left with no open connection
         self._open = 0
         self._slots = asyncio.Semaphore(pool_size)
-        self._mapping: ArenaMapping | None = None
-        self._mapping_checked = False
+        self._mapping: SegmentMapping | None = None  # this namespace's segment, shared by the sessions handed it
         self.info: NodeInfo | None = None
         self._closed = False
         self._holds_transport = False  # counted as a user of UCX from the first connection until close
@@ -153,29 +220,46 @@ class NodeClient:
             self._holds_transport = True
         conn = await connect(self.host, self.port, min(self.timeout, 5.0))
         try:
-            challenge = await conn.recv_message(self.timeout)
-            nonce = challenge.get("nonce")
-            if challenge.get("t") != "challenge" or not isinstance(nonce, bytes):
-                raise ProtocolError(f"{self.address} did not open with a dKV challenge")
-            await conn.send_message(
-                {
-                    "op": "hello", "v": PROTOCOL_VERSION, "ns": self.namespace, "client": self.client_id,
-                    "proof": token_proof(self.token, nonce, self.namespace), "host": host_id(),
-                },
-                self.timeout,
-            )
-            reply = _check_reply(await conn.recv_message(self.timeout))
-            arena = reply["arena"]
-            info = NodeInfo(reply["node"], reply["epoch"], reply["host"],
-                            ArenaInfo(arena["name"], int(arena["size"])), reply.get("limits", {}))
+            reply = await handshake(conn, self.namespace, secret=self.token, tenant=self.tenant,
+                                    client_id=self.client_id, timeout=self.timeout)
+            info = NodeInfo(reply["node"], reply["epoch"], reply["host"], reply.get("limits", {}))
+            mapping = await self._take_segment(reply.get("shm"), info)
         except BaseException:
             conn.abort()
             raise
-        if self.info is not None and info.epoch != self.info.epoch and self._mapping is not None:
-            self._mapping.close()  # the node restarted: its old arena is gone
-            self._mapping, self._mapping_checked = None, False
         self.info = info
-        return _Session(conn, info)
+        return _Session(conn, info, mapping)
+
+    async def _take_segment(self, offer: Any, info: NodeInfo) -> SegmentMapping | None:
+        """Redeem the handshake's ticket for this namespace's segment (same-host path), or ``None``.
+
+        With ``local=True`` a node that offers no segment, or a handover that
+        fails, is a :class:`TransportError`; otherwise the connection takes
+        the listener path.
+        """
+        if self.local is False:
+            return None
+        try:
+            if info.host != host_id() or not isinstance(offer, dict):
+                raise TransportError(f"{self.address} is not on this host")
+            fd = await redeem(offer["socket"], offer["ticket"], min(self.timeout, 5.0))
+            try:
+                size = os.fstat(fd).st_size
+                current = self._mapping
+                if current is not None and current.identity == _identity(fd) and current.size == size:
+                    return current
+                mapping = SegmentMapping(fd, size, writable=offer.get("access") == "write")
+            finally:
+                os.close(fd)
+        except (TransportError, OSError, ValueError, KeyError) as exc:
+            if self.local is True:
+                raise TransportError(f"the same-host path to {self.address} is unavailable: {exc}") from exc
+            log.debug("listener path to %s: %s", self.address, exc)
+            return None
+        if self._mapping is not None:
+            self._mapping.close()  # the node restarted: its old segment is gone (views in use keep it mapped)
+        self._mapping = mapping
+        return mapping
 
     async def _session_call(self, fn: Callable[[_Session], Awaitable[T]]) -> T:
         if self._closed:
@@ -262,17 +346,13 @@ class NodeClient:
     async def _request(self, message: dict[str, Any], *, idempotent: bool) -> dict[str, Any]:
         return await self._call(lambda s: s.request(message, self.timeout), idempotent=idempotent)
 
-    def _arena(self) -> ArenaMapping | None:
-        """The node's arena mapped here, when the same-host path applies."""
-        if self.local is False or self.info is None:
+    @staticmethod
+    def _arena(session: _Session, *, write: bool = False) -> SegmentMapping | None:
+        """The segment ``session`` was handed, when the same-host path applies (for writes: a writable one)."""
+        mapping = session.mapping
+        if mapping is None or (write and not mapping.writable):
             return None
-        if not self._mapping_checked:
-            self._mapping_checked = True
-            if self.info.host == host_id():
-                self._mapping = open_mapping(self.info.arena)
-            if self._mapping is None and self.local is True:
-                raise TransportError(f"{self.address} is not on this host: the same-host path is unavailable")
-        return self._mapping
+        return mapping
 
     async def connect(self) -> NodeInfo:
         """Open one connection now (handshake errors surface here rather than on first use)."""
@@ -281,7 +361,7 @@ class NodeClient:
         return self.info
 
     def limit(self, name: str) -> int:
-        """The node's announced limit ``name`` (``max_keys``, ``max_frame``, ``max_leaves``), never above the wire's.
+        """The node's announced limit ``name`` (``max_keys``, ``max_frame``, ``max_leaves``, ``max_cost``), never above the wire's.
 
         Before the first handshake, or from a node that does not announce it,
         this is the wire's own bound (:data:`WIRE_LIMITS`).
@@ -299,7 +379,8 @@ class NodeClient:
 
     @property
     def uses_shared_memory(self) -> bool:
-        return self._arena() is not None
+        """True once a connection of this client was handed its namespace's segment."""
+        return self._mapping is not None
 
     # ---- ops ----------------------------------------------------------------------------------
 
@@ -318,23 +399,31 @@ class NodeClient:
         """The requests a presence op (lookup, probe, touch) takes within the node's limits.
 
         One per group of at most ``max_leaves`` leaves and run of hashes that
-        fits ``max_keys`` and ``max_frame`` (the request's frame and the masks
-        of its reply), in chain order; each with the range of ``hashes`` it covers.
+        fits ``max_keys``, ``max_frame`` (the request's frame and the masks of
+        its reply) and ``max_cost`` (hashes x leaves x shards), in chain order;
+        each with the range of ``hashes`` it covers. A leaf group is smaller
+        than ``max_leaves`` when that many leaves of every shard would cost more
+        than ``max_cost`` for a single hash; ``ValueError`` when one leaf does.
         """
         fields = self._presence_fields(hashes, leaves, shards)
         await self._known_limits()
         all_hashes, all_leaves = fields["hashes"], fields["leaves"]
-        if len(all_leaves) <= self.limit("max_leaves") and self._fits_without_estimate(len(all_hashes)):
+        max_cost = self.limit("max_cost")
+        if (len(all_leaves) <= self.limit("max_leaves") and len(all_hashes) * len(all_leaves) * shards <= max_cost
+                and self._fits_without_estimate(len(all_hashes))):
             return [(range(len(all_hashes)), {"op": op, **fields, **extra})]  # far below any limit: no estimate
+        if shards > max_cost:
+            raise ValueError(f"{shards} shards exceed the node's max_cost ({max_cost}) for a single hash of one leaf")
         hash_bytes = 2 + max((len(h) for h in all_hashes), default=0)  # msgpack bin8: 2 header bytes
-        max_leaves = self.limit("max_leaves")
+        max_leaves = min(self.limit("max_leaves"), max_cost // shards)
         requests = []
         for start in range(0, max(len(all_leaves), 1), max_leaves):
             group = all_leaves[start:start + max_leaves]
             base = {"op": op, "hashes": [], "leaves": group, "shards": shards, **extra}
             request_fixed = len(encode_body(base))
             reply_fixed = sum(len(leaf.encode()) + 8 for leaf in group) + 32  # masks: leaf -> bin32 of one byte a hash
-            runs = chunk_ranges(len(all_hashes), max_count=self.limit("max_keys"), max_bytes=self.limit("max_frame"),
+            max_count = min(self.limit("max_keys"), max_cost // (max(len(group), 1) * shards))
+            runs = chunk_ranges(len(all_hashes), max_count=max_count, max_bytes=self.limit("max_frame"),
                                 item_bytes=max(hash_bytes, len(group)),
                                 fixed_bytes=max(request_fixed, reply_fixed) + FRAME_SLACK)
             requests += [(run, {**base, "hashes": all_hashes[run.start:run.stop]}) for run in runs]
@@ -355,7 +444,7 @@ class NodeClient:
         """
         requests = await self._presence_requests("lookup", hashes, leaves, shards, lease=lease, group=group)
         if lease and len(requests) > 1:
-            raise ValueError(self._unsplittable("a leased lookup", len(hashes), len(leaves)))
+            raise ValueError(self._unsplittable("a leased lookup", len(hashes), len(leaves), shards))
         masks: dict[str, list[bool]] = {}
         lease_id = None
         for (run, _), reply in zip(requests, await self._presence(requests)):
@@ -363,11 +452,14 @@ class NodeClient:
             lease_id = reply.get("lease")
         return LookupResult(masks, lease_id)
 
-    def _unsplittable(self, what: str, hashes: int, leaves: int) -> str:
+    def _unsplittable(self, what: str, hashes: int, leaves: int, shards: int = 1) -> str:
         if hashes > self.limit("max_keys"):
             over = f"{hashes} hashes exceed the node's max_keys ({self.limit('max_keys')})"
         elif leaves > self.limit("max_leaves"):
             over = f"{leaves} leaves exceed the node's max_leaves ({self.limit('max_leaves')})"
+        elif hashes * leaves * shards > self.limit("max_cost"):
+            over = (f"{hashes} hashes x {leaves} leaves x {shards} shards = {hashes * leaves * shards} "
+                    f"exceed the node's max_cost ({self.limit('max_cost')})")
         else:
             over = f"{hashes} hashes x {leaves} leaves exceed the node's max_frame ({self.limit('max_frame')} bytes)"
         return f"{what} cannot be split across requests (one lease), and {over}"
@@ -415,6 +507,12 @@ class NodeClient:
         keys than one request may carry (the node's ``max_keys``/``max_frame``)
         are read in several requests under the same lease, which the last one
         ends (with ``end_lease``).
+
+        With ``checksums`` (the default) every block is checked once its bytes
+        are in its destination against the checksum the node returns (the
+        writer's, :mod:`dkv.checksum`); a block that fails, or that the node
+        names no checksum for, raises :class:`ChecksumMismatch` (the
+        destinations hold garbage).
         """
         if len(keys) != len(dests):
             raise ValueError("read: one destination per key")
@@ -425,8 +523,15 @@ class NodeClient:
         # deepest run first: each run is stamped as one use, so the root's run gets the newest stamp
         # and the chain still evicts deepest first (as a split touch does)
         for i, run in enumerate(reversed(runs)):
-            await self._read_run(lease_id, wire_keys[run.start:run.stop], views[run.start:run.stop],
-                                 end_lease and i == len(runs) - 1)
+            last = i == len(runs) - 1
+            try:
+                await self._read_run(lease_id, wire_keys[run.start:run.stop], views[run.start:run.stop],
+                                     end_lease and last)
+            except ChecksumMismatch:
+                if end_lease and not last:  # the runs left will not be read: end the lease now, not at its TTL
+                    with contextlib.suppress(DKVError):
+                        await self.release(lease_id)
+                raise
 
     async def _key_runs(self, wire_keys: Sequence[list[Any]], *, extra_per_key: int,
                         base: dict[str, Any]) -> list[range]:
@@ -446,10 +551,20 @@ class NodeClient:
 
     async def _read_run(self, lease_id: int, wire_keys: list[list[Any]], views: list[memoryview],
                         end_lease: bool) -> None:
-        """One read request (see :meth:`read`)."""
+        """One read request (see :meth:`read`), then the check of each block against its checksum.
 
-        async def run(session: _Session) -> None:
-            mapping = self._arena()
+        The check runs on the destinations, once the bytes are there and the
+        connection is back in the pool: after the receive (listener path), or
+        after the copy *and* ``done`` (same-host path). It hashes the
+        caller's own copy, which nothing else writes, so it needs no pins: the
+        node's pins cover only the copy, as before, and a copy that outlived
+        them is reported as what it is (:class:`ReadNotIntact`) rather than as
+        a mismatch. Hashing the slot before ``done`` instead would prove the
+        slot, not the bytes the caller got, and hold the pins longer.
+        """
+
+        async def run(session: _Session) -> Any:
+            mapping = self._arena(session)
             reply = await session.request(
                 {"op": "read", "lease": lease_id, "keys": wire_keys, "end": end_lease, "shm": mapping is not None},
                 self.timeout,
@@ -468,10 +583,33 @@ class NodeClient:
                 await self._copy_out(session, mapping, reply, views)
             else:
                 await session.conn.recv_payloads([v for v in views if v.nbytes], self.timeout)
+            return reply.get("sums")
 
-        await self._call(run, idempotent=False)
+        sums = await self._call(run, idempotent=False)
+        if self.checksums:
+            self._check_sums(wire_keys, views, sums)
 
-    async def _copy_out(self, session: _Session, mapping: ArenaMapping, reply: dict[str, Any],
+    def _check_sums(self, wire_keys: Sequence[list[Any]], views: Sequence[memoryview], sums: Any) -> None:
+        """:class:`ChecksumMismatch` unless every block's bytes match the checksum the node returned for it.
+
+        A block with no checksum (stored by a writer that sent none, or a node
+        that returns none) fails too: a node cannot opt a read out of the check.
+        """
+        if not isinstance(sums, list) or len(sums) != len(views):
+            sums = [None] * len(views)
+        bad = [i for i, (key, view, checksum) in enumerate(zip(wire_keys, views, sums))
+               if not checksum_matches(key[0], key[1], key[2], view, checksum)]
+        if bad:
+            leaf, shard, block_hash = wire_keys[bad[0]]
+            unsummed = sum(1 for i in bad if not is_checksum(sums[i]))
+            raise ChecksumMismatch(
+                f"{len(bad)} of {len(views)} block(s) read from {self.address} do not match their checksum "
+                f"(first: leaf {leaf!r}, shard {shard}, hash {block_hash.hex()}"
+                + (f"; {unsummed} came without one" if unsummed else "")
+                + "): corrupted or substituted, the destinations hold garbage",
+                count=len(bad), first_key=(leaf, shard, block_hash))
+
+    async def _copy_out(self, session: _Session, mapping: SegmentMapping, reply: dict[str, Any],
                         views: Sequence[memoryview]) -> None:
         """Same-host path: copy a read's slots out of the mapped arena, then end the read.
 
@@ -505,28 +643,41 @@ class NodeClient:
         More keys than one request may carry are written in several
         two-phase writes, deepest run first (the root's run is then the newest
         use and is evicted last); on an error, the runs written before it stay
-        (each block is whole), the failing one leaves nothing.
+        (each block is whole), the failing one leaves nothing. The exception:
+        with ``checksums``, a block whose bytes reached the node changed is
+        refused by it alone, and :class:`ChecksumMismatch` is raised once its
+        run is committed (every stored block matches its checksum).
         """
         if len(keys) != len(sources):
             raise ValueError("write: one source per key")
         views = [_byte_view(s) for s in sources]
         wire_keys = _wire_keys(keys)
-        runs = await self._key_runs(wire_keys, extra_per_key=9,
-                                    base={"op": "write", "keys": [], "sizes": [], "shm": True})
+        sums_field = {"sums": []} if self.checksums else {}
+        runs = await self._key_runs(wire_keys, extra_per_key=9 + (CHECKSUM_WIRE_BYTES if self.checksums else 0),
+                                    base={"op": "write", "keys": [], "sizes": [], "shm": True, **sums_field})
         parts: list[list[str]] = []
         for run in reversed(runs):  # deepest run first, so the root's run is the newest use (see read)
             parts.append((await self._write_run(wire_keys[run.start:run.stop], views[run.start:run.stop])).statuses)
         return WriteResult([status for part in reversed(parts) for status in part])
 
     async def _write_run(self, wire_keys: list[list[Any]], views: list[memoryview]) -> WriteResult:
-        """One two-phase write (see :meth:`write`)."""
+        """One two-phase write (see :meth:`write`).
 
-        async def run(session: _Session) -> WriteResult:
-            mapping = self._arena()
-            reply = await session.request(
-                {"op": "write", "keys": wire_keys, "sizes": [v.nbytes for v in views], "shm": mapping is not None},
-                self.timeout,
-            )
+        With ``checksums``, each block's checksum is taken from its source
+        bytes just before they leave and sent with the request; the node
+        commits only the blocks whose bytes arrived intact and says how many
+        it refused, which raises :class:`ChecksumMismatch` here (those blocks
+        are not stored; the others of the run are).
+        """
+        sums = ([block_checksum(k[0], k[1], k[2], v) for k, v in zip(wire_keys, views)]
+                if self.checksums else None)
+
+        async def run(session: _Session) -> tuple[WriteResult, int]:
+            mapping = self._arena(session, write=True)
+            request = {"op": "write", "keys": wire_keys, "sizes": [v.nbytes for v in views], "shm": mapping is not None}
+            if sums is not None:
+                request["sums"] = sums
+            reply = await session.request(request, self.timeout)
             statuses = list(reply["status"])
             accepted = [v for v, st in zip(views, statuses) if st == WRITE]
             if mapping is not None:
@@ -537,13 +688,19 @@ class NodeClient:
                 except BaseException:
                     await session.request({"op": "abort", "write": reply["write"]}, self.timeout)
                     raise
-                await session.request({"op": "commit", "write": reply["write"]}, self.timeout)
+                done = await session.request({"op": "commit", "write": reply["write"]}, self.timeout)
             else:
                 await session.conn.send_payloads([v for v in accepted if v.nbytes], self.timeout)
-                _check_reply(await session.conn.recv_message(self.timeout))
-            return WriteResult(statuses)
+                done = _check_reply(await session.conn.recv_message(self.timeout))
+            rejected = done.get("rejected", 0)
+            return WriteResult(statuses), rejected if isinstance(rejected, int) and not isinstance(rejected, bool) else 0
 
-        return await self._call(run, idempotent=False)
+        result, rejected = await self._call(run, idempotent=False)
+        if rejected:
+            raise ChecksumMismatch(
+                f"{self.address} refused {rejected} of {result.stored} block(s) of this write: the bytes it "
+                "received did not match their checksums (not stored)", count=rejected)
+        return result
 
     async def close(self) -> None:
         """Close every pooled connection (the node drops this client's leases). Idempotent.
@@ -606,6 +763,11 @@ def chunk_ranges(count: int, *, max_count: int, max_bytes: int, item_bytes: int 
     return ranges
 
 
+def _identity(fd: int) -> tuple[int, int]:
+    info = os.fstat(fd)
+    return info.st_dev, info.st_ino
+
+
 def _merge_masks(into: dict[str, list[bool]], part: dict[str, list[bool]]) -> None:
     for leaf, mask in part.items():
         into.setdefault(leaf, []).extend(mask)
@@ -626,4 +788,4 @@ def _unpack_masks(raw: Any, length: int) -> dict[str, list[bool]]:
     return masks
 
 
-__all__ = ["AuthError", "LookupResult", "NodeClient", "NodeInfo", "WriteResult"]
+__all__ = ["AuthError", "LookupResult", "NodeClient", "NodeInfo", "PeerUnauthenticated", "WriteResult", "handshake"]

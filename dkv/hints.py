@@ -61,6 +61,9 @@ PEER_UNREACHABLE = "peer_unreachable"
 # Not the hint's fault either: the peer's deepest block lies before the run the engine asks about
 # (its device already holds more than the peer has to offer).
 BEHIND_DEVICE = "behind_device"
+# The hinted peer answered but could not prove the cluster credential (a fake member record, or
+# an address that now belongs to something else): never asked for bytes, backed off like a dead one.
+UNAUTHENTICATED_PEER = "unauthenticated_peer"
 
 
 class UnusableHint(Exception):

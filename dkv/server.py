@@ -27,15 +27,24 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dkv.arena import Arena
+from dkv.arena import DEFAULT_MAX_NAMESPACES, Arena
+from dkv.checksum import verify as checksum_matches
+from dkv.credentials import CLUSTER, Credential, Credentials, LocalCredential, Quotas
 from dkv.disk_tier import DiskTier
 from dkv.disk_worker import DiskWorker
+from dkv.handover import HandoverServer
 from dkv.errors import ConfigError, DKVError, ProtocolError, RemoteError, TransportError
 from dkv.hostid import host_id
 from dkv.etcd import check_node_id
-from dkv.keys import check_namespace
+from dkv.keys import MAX_TP_SHARDS, check_namespace
 from dkv.presence import ClusterConfig, ClusterPresence, new_epoch
-from dkv.store import Store, StoreKey
+from dkv.store import (
+    DEFAULT_MAX_LEASES,
+    DEFAULT_MAX_LEASES_PER_TENANT,
+    DEFAULT_RESERVATION_TTL,
+    Store,
+    StoreKey,
+)
 from dkv.transport import Connection, Listener, stop_progress
 from dkv.units import is_loopback
 from dkv.wire import (
@@ -45,16 +54,29 @@ from dkv.wire import (
     NONCE_SIZE,
     PROTOCOL_VERSION,
     check_request,
+    client_proof,
     error_reply,
-    proof_matches,
+    node_proof,
+    proof_equals,
 )
 
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT = 5.0
-ADMIN_NAMESPACE = "dkv.admin"  # inspection only (stats); accepted whatever the namespace allow-list
-IDLE_TIMEOUT = 600.0
+ADMIN_NAMESPACE = "dkv.admin"  # inspection only (stats), for the cluster credential; whatever the allow-list
+WRITE_OPS = frozenset({"write", "commit", "abort", "clear"})  # refused to a read-only credential
+IDLE_TIMEOUT = 600.0  # the longest a connection waits for its next request, whatever it holds (backstop)
 EXPIRY_INTERVAL = 0.5
+# Before a peer has authenticated it may send nothing larger than a handshake (the hello takes
+# well under 1 KiB): a stranger's header announcing 8 MiB is refused before anything is allocated.
+HANDSHAKE_MAX_FRAME = 4096
+REFUSAL_TIMEOUT = 1.0  # the most a connection refused at a cap may take of the node (its "busy" reply)
+REAP_GRACE = 1.0  # idle this long, a connection may be closed to admit a new one at a connection cap
+IDLE_SCAN_INTERVAL = 1.0  # how often idle connections are looked for
+# Lookup, probe and touch cost hashes x leaves x shards key checks on the node's only event loop.
+# Touch and probe work through it in chunks of this cost, letting other connections in between.
+YIELD_COST = 2048
+COSTED_OPS = frozenset({"lookup", "probe", "touch"})
 
 
 @dataclass
@@ -65,16 +87,32 @@ class NodeConfig:
     host: str = "127.0.0.1"
     port: int = 0
     node_id: str = field(default_factory=lambda: f"node-{secrets.token_hex(3)}")
-    token: bytes | None = None
+    token: bytes | None = None  # the cluster credential; None: a local one (same host, same OS user)
+    tenants: dict[str, Credential] | None = None  # tenant credentials (dkv.credentials.load_tenants)
     namespaces: frozenset[str] | None = None  # None: any namespace
+    max_namespaces: int = DEFAULT_MAX_NAMESPACES  # namespace segments the pool may hold
     disk_dir: str | None = None
     disk_size: int = 0
     lease_ttl: float = 10.0
-    reservation_ttl: float = 30.0
+    reservation_ttl: float = DEFAULT_RESERVATION_TTL  # 15 s: beyond op_timeout, and no longer (dkv.store)
     read_ttl: float = 30.0
     max_leases_per_client: int = 64
+    # bounds no client may take a node past (README, Security: limits); None derives the default from the pool
+    max_blocks: int | None = None  # blocks on any tier plus reserved keys; None: max(pool / 16 KiB, 16384)
+    max_leases: int = DEFAULT_MAX_LEASES  # leases node-wide; at it a leased lookup is refused (NodeBusy)
+    max_reserved_bytes_per_connection: int | None = None  # None: pool/8, at least 256 MiB (at most the pool)
+    # a credential's quotas where its tenants entry (or the cluster credential) sets none
+    max_reserved_bytes_per_credential: int | None = None  # None: pool/4, at least 512 MiB (at most the pool)
+    max_leases_per_credential: int = DEFAULT_MAX_LEASES_PER_TENANT
     op_timeout: float = 10.0
-    max_connections: int = 1024
+    max_connections: int = 1024  # connections node-wide (authenticating ones included)
+    # a credential's connections where its tenants entry (or the cluster credential) sets none;
+    # None: half of max_connections, so no one credential can hold the whole node
+    max_connections_per_credential: int | None = None
+    max_unauthenticated: int = 64  # connections still in their handshake (each within HANDSHAKE_TIMEOUT)
+    idle_timeout: float = 60.0  # an authenticated connection idle this long, holding nothing live, is closed
+    max_cost: int = 16384  # hashes x leaves x shards of one lookup, probe or touch (see YIELD_COST)
+    verify_writes: bool = True  # check each written block's declared checksum before it becomes visible
 
     def validate(self) -> None:
         if self.token is None and not is_loopback(self.host):
@@ -85,8 +123,27 @@ class NodeConfig:
         if self.namespaces is not None:
             for ns in self.namespaces:
                 check_namespace(ns)
+        if self.max_namespaces < 1:
+            raise ConfigError("--max-namespaces must be at least 1")
         if self.disk_dir is not None and self.disk_size <= 0:
             raise ConfigError("--disk needs --disk-size")
+        if self.reservation_ttl <= self.op_timeout:
+            raise ConfigError(f"the reservation TTL ({self.reservation_ttl} s) must outlast the op timeout "
+                              f"({self.op_timeout} s): a write still receiving its bytes would lose its slots")
+        for name in ("max_blocks", "max_reserved_bytes_per_connection", "max_reserved_bytes_per_credential"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be at least 1, not {value}")
+        if self.max_leases < 1 or self.max_leases_per_credential < 0:
+            raise ConfigError("max_leases must be at least 1 and max_leases_per_credential not negative")
+        for name in ("max_connections", "max_unauthenticated", "max_connections_per_credential", "max_cost"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be at least 1, not {value}")
+        if self.idle_timeout <= 0:
+            raise ConfigError(f"idle_timeout must be positive, not {self.idle_timeout}")
+        if self.max_cost < MAX_TP_SHARDS:
+            raise ConfigError(f"max_cost must be at least {MAX_TP_SHARDS} (one hash of one leaf with every shard)")
 
 
 @dataclass
@@ -98,6 +155,16 @@ class _Peer:
     client_owner: str = ""
     namespace: str = ""
     task: asyncio.Task[Any] | None = None
+    credential: Credential | None = None  # set once the hello's proof checked out
+    shm: str | None = None  # "read"/"write" once the connection was handed its segment (dkv.handover)
+    # connection accounting (see NodeServer._admit): each connection is either being refused at a
+    # cap, authenticating (at most max_unauthenticated), or authenticated and counted under its
+    # credential; it is idle since ``idle_since`` unless ``in_op``
+    refused: bool = False
+    authenticated: bool = False
+    counted_as: str | None = None  # the credential name it counts under, once counted
+    in_op: bool = False
+    idle_since: float = 0.0
 
 
 class NodeServer:
@@ -110,12 +177,19 @@ class NodeServer:
         self.presence: ClusterPresence | None = None
         self.epoch = new_epoch()
         self.started_at = time.time()
-        self.arena = Arena(config.pool_size, label=_label(config.node_id))
+        label = _label(config.node_id)
+        self.arena = Arena(config.pool_size, label=label, max_namespaces=config.max_namespaces)
+        self.local_credential: LocalCredential | None = None
         try:
             disk = DiskTier(config.disk_dir, config.disk_size) if config.disk_dir else None
+            if config.token is None:
+                self.local_credential = LocalCredential(label)
         except BaseException:
             self.arena.close()
             raise
+        cluster_secret = config.token if config.token is not None else self.local_credential.secret
+        self.credentials = Credentials(Credential(CLUSTER, cluster_secret), config.tenants)
+        self.handover = HandoverServer(label, self._share_segment, self._segment_granted)
         self.store = Store(
             self.arena,
             disk,
@@ -123,6 +197,12 @@ class NodeServer:
             reservation_ttl=config.reservation_ttl,
             read_ttl=config.read_ttl,
             max_leases_per_owner=config.max_leases_per_client,
+            max_blocks=config.max_blocks,
+            max_leases=config.max_leases,
+            max_reserved_bytes_per_owner=config.max_reserved_bytes_per_connection,
+            quotas=self._quotas_of,
+            max_reserved_bytes_per_tenant=config.max_reserved_bytes_per_credential,
+            max_leases_per_tenant=config.max_leases_per_credential,
         )
         self._peers: dict[str, _Peer] = {}
         self._client_conns: dict[str, int] = {}
@@ -133,6 +213,11 @@ class NodeServer:
         self._closed = False
         self.errors_by_code: dict[str, int] = {}
         self.ops: dict[str, int] = {}
+        self._refusing = 0  # connections in _peers being refused at a cap
+        self._authenticating: set[str] = set()  # conn_owner of connections still in their handshake
+        self._credential_conns: dict[str, int] = {}  # authenticated connections per credential name
+        self._next_idle_scan = 0.0
+        self.reaped: dict[str, int] = {}  # connections closed by the node: "idle", or "cap" to admit another
 
     @property
     def port(self) -> int:
@@ -158,13 +243,15 @@ class NodeServer:
         """
         if self._disk_worker is not None:
             self._disk_worker.start()
+        await self.handover.start()
         self._listener = Listener(self._serve, self.config.port)
         self._expiry = asyncio.create_task(self._expire_forever(), name="dkv-expiry")
         if self.cluster_config is not None:
             self.presence = ClusterPresence(self, self.cluster_config)
             await self.presence.start()
-        log.info("node %s listening on %s (pool %d bytes, shm %s)", self.config.node_id,
-                 self.address, self.arena.size, self.arena.shm_name)
+        log.info("node %s listening on %s (pool %d bytes, %s)", self.config.node_id, self.address,
+                 self.arena.size, "cluster token" if self.local_credential is None
+                 else f"same-host clients only: credential in {self.local_credential.path}")
 
     async def stop(self) -> None:
         """Graceful shutdown: stop accepting, close connections, free the arena. Idempotent."""
@@ -187,15 +274,19 @@ class NodeServer:
         if tasks:
             await asyncio.wait(tasks, timeout=5.0)
         self.store.close()
+        await self.handover.close()
         if self._disk_worker is not None:
             await self._disk_worker.stop()  # bounded: a stuck disk write cannot hang shutdown
         self.arena.close()
+        if self.local_credential is not None:
+            self.local_credential.close()
         await stop_progress()
 
     async def _expire_forever(self) -> None:
         while True:
             await asyncio.sleep(EXPIRY_INTERVAL)
             self.store.expire()
+            self._reap_idle()
 
     # ---- connections ------------------------------------------------------------------------
 
@@ -205,15 +296,43 @@ class NodeServer:
             return
         conn_id = next(self._ids)
         peer = _Peer(conn, conn_owner=f"conn:{conn_id}", task=asyncio.current_task())
+        refusal = self._admit(peer)
+        if refusal is not None and self._refusing >= self.config.max_unauthenticated:
+            self._count_error("refused")  # refusals are bounded too: beyond that many at once, no reply
+            conn.abort()
+            return
         self._peers[peer.conn_owner] = peer
+        self._refusing += peer.refused
         try:
-            if len(self._peers) > self.config.max_connections:
-                await conn.send_message(error_reply("busy", "too many connections"), HANDSHAKE_TIMEOUT)
+            if refusal is not None:  # instead of the challenge: the client raises NodeBusy
+                await conn.send_message(error_reply("busy", refusal), REFUSAL_TIMEOUT)
                 return
-            if not await self._handshake(peer):
+            conn.max_frame = HANDSHAKE_MAX_FRAME  # nothing larger than a hello until the hello is accepted
+            try:
+                async with asyncio.timeout(HANDSHAKE_TIMEOUT):  # the whole handshake, however many steps it takes
+                    accepted = await self._handshake(peer)
+            except TimeoutError:  # (a step's own bound raises OpTimeout, a TransportError)
+                self._count_error("handshake_timeout")
+                log.info("closing %s: no handshake within %.1f s", conn.peer, HANDSHAKE_TIMEOUT)
                 return
+            if not accepted:
+                return
+            self._authenticating.discard(peer.conn_owner)
+            peer.authenticated = True
+            conn.max_frame = MAX_FRAME
+            refusal = self._admit_credential(peer)  # a no-op when the handshake did it (and refused there)
+            if refusal is not None:  # the answer to its first request, if that comes soon: the client raises NodeBusy
+                self._count_error("busy")
+                peer.refused = True
+                self._refusing += 1
+                await conn.recv_message(REFUSAL_TIMEOUT)
+                await conn.send_message(error_reply("busy", refusal), REFUSAL_TIMEOUT)
+                return
+            wait = max(IDLE_TIMEOUT, 2 * self.config.idle_timeout)  # idle ones are closed sooner: _reap_idle
             while not conn.closed:
-                request = await conn.recv_message(IDLE_TIMEOUT)
+                peer.in_op, peer.idle_since = False, time.monotonic()
+                request = await conn.recv_message(wait)
+                peer.in_op = True
                 await self._handle(peer, request)
         except ProtocolError as exc:
             self._count_error("protocol")
@@ -232,7 +351,19 @@ class NodeServer:
             self._forget(peer)
 
     def _forget(self, peer: _Peer) -> None:
-        self._peers.pop(peer.conn_owner, None)
+        if self._peers.pop(peer.conn_owner, None) is None:
+            return  # forgotten already: the node closed it (_reap)
+        self._refusing -= peer.refused
+        self._authenticating.discard(peer.conn_owner)
+        if peer.counted_as is not None:
+            left = self._credential_conns.get(peer.counted_as, 1) - 1
+            if left <= 0:
+                self._credential_conns.pop(peer.counted_as, None)
+            else:
+                self._credential_conns[peer.counted_as] = left
+        self.handover.forget(peer.conn_owner)
+        if peer.shm is not None:
+            self.arena.let_go(peer.namespace)
         self.store.drop_owner(peer.conn_owner)
         if peer.client_owner:
             left = self._client_conns.get(peer.client_owner, 1) - 1
@@ -242,45 +373,197 @@ class NodeServer:
             else:
                 self._client_conns[peer.client_owner] = left
 
+    # ---- connection accounting ------------------------------------------------------------------
+    #
+    # Every connection is counted against max_connections from its arrival; one still in its
+    # handshake also against max_unauthenticated (and it has HANDSHAKE_TIMEOUT for the whole of
+    # it), an authenticated one against its credential's cap. At a cap, the longest-idle
+    # connection (of that credential, for its cap) idle beyond REAP_GRACE that holds nothing live
+    # is closed to make room; failing that the newcomer is refused with "busy" (NodeBusy). A
+    # connection idle beyond idle_timeout that holds nothing live is closed too. "Holds nothing
+    # live": no write reservation or same-host read of its own, and it is not the last connection
+    # of a client that holds a lease (closing that would end the lease): closing it costs its
+    # client a reconnect and nothing else. One that does hold something is closed once that ended
+    # (TTLs bound it), or, whatever it holds, when it was idle past max(IDLE_TIMEOUT, 2 x idle_timeout).
+
+    def _connections(self) -> int:
+        """Connections counted against max_connections (authenticating or authenticated)."""
+        return len(self._peers) - self._refusing
+
+    def _admit(self, peer: _Peer) -> str | None:
+        """Account a new connection: ``None`` when it may go on to its handshake, else why it is refused."""
+        reason = None
+        if len(self._authenticating) >= self.config.max_unauthenticated:
+            reason = f"{len(self._authenticating)} connections are authenticating, the node's max_unauthenticated"
+        elif self._connections() >= self.config.max_connections and not self._reap_one(None):
+            reason = f"{self._connections()} connections are open, the node's max_connections"
+        if reason is None:
+            self._authenticating.add(peer.conn_owner)
+            return None
+        self._count_error("busy")
+        peer.refused = True
+        return reason
+
+    def _connection_cap(self, credential: Credential) -> int:
+        """A credential's connection cap: its quota, else the node's default for every credential."""
+        quota = credential.quotas.max_connections
+        if quota is not None:
+            return quota
+        return self.config.max_connections_per_credential or max(1, self.config.max_connections // 2)
+
+    def _admit_credential(self, peer: _Peer, credential: Credential | None = None) -> str | None:
+        """Count an authenticated connection under its credential (once): ``None``, or why it is refused ("busy").
+
+        The handshake calls it once the credential checked out, before its
+        accepting reply (so that a refused client gets NodeBusy at connect),
+        and counts the refusal; _serve calls it again after (a no-op then).
+        ``credential`` defaults to ``peer.credential``.
+        """
+        if peer.counted_as is not None:
+            return None
+        credential = credential or peer.credential
+        assert credential is not None, "only an authenticated connection is counted under a credential"
+        name = credential.name
+        cap = self._connection_cap(credential)
+        if self._credential_conns.get(name, 0) >= cap and not self._reap_one(name):
+            return f"credential {credential.label!r} holds {cap} connections, its max_connections"
+        self._credential_conns[name] = self._credential_conns.get(name, 0) + 1
+        peer.counted_as = name
+        return None
+
+    def _idle_peers(self, now: float, longer_than: float, credential: str | None = None) -> list[_Peer]:
+        """Authenticated connections waiting for a request for longer than ``longer_than`` s, longest first."""
+        idle = [p for p in self._peers.values()
+                if p.authenticated and not p.in_op and not p.refused and now - p.idle_since > longer_than
+                and (credential is None or p.counted_as == credential)]
+        idle.sort(key=lambda p: p.idle_since)
+        return idle
+
+    def _holds_nothing(self, peer: _Peer, reservers: set[str]) -> bool:
+        """True when closing ``peer`` ends nothing: no reservation or read of its own, no lease it keeps alive."""
+        store = self.store
+        if peer.conn_owner in reservers or store.reads_of(peer.conn_owner):
+            return False
+        last = self._client_conns.get(peer.client_owner, 0) <= 1
+        return not (last and store.leases_of(peer.client_owner))
+
+    def _reservers(self) -> set[str]:
+        return {res.owner for res in self.store.reservations.values()}
+
+    def _reap_one(self, credential: str | None) -> bool:
+        """Close the longest-idle connection (of ``credential``, or any) that may be closed; True if one was."""
+        candidates = self._idle_peers(time.monotonic(), REAP_GRACE, credential)
+        if candidates:
+            reservers = self._reservers()
+            for peer in candidates:
+                if self._holds_nothing(peer, reservers):
+                    self._reap(peer, "cap")
+                    return True
+        return False
+
+    def _reap_idle(self) -> None:
+        """Close the connections idle beyond idle_timeout that hold nothing live (every IDLE_SCAN_INTERVAL)."""
+        now = time.monotonic()
+        if now < self._next_idle_scan:
+            return
+        self._next_idle_scan = now + IDLE_SCAN_INTERVAL
+        stale = self._idle_peers(now, self.config.idle_timeout)
+        if stale:
+            reservers = self._reservers()
+            for peer in stale:
+                if self._holds_nothing(peer, reservers):  # one at a time: a client's last one may keep its lease
+                    self._reap(peer, "idle")
+
+    def _reap(self, peer: _Peer, why: str) -> None:
+        """Close an idle connection now, and account for it at once (its task ends on its own)."""
+        self.reaped[why] = self.reaped.get(why, 0) + 1
+        log.info("closing %s: idle for %.1f s (%s)", peer.conn.peer, time.monotonic() - peer.idle_since,
+                 "idle timeout" if why == "idle" else "to admit a connection at a cap")
+        peer.conn.abort()
+        if peer.task is not None and peer.task is not asyncio.current_task():
+            peer.task.cancel()
+        self._forget(peer)
+
     async def _handshake(self, peer: _Peer) -> bool:
+        """Mutual proof of the credential, then the namespace check; True when the connection may go on.
+
+        The client proves the credential it names (the cluster's, or a
+        tenant's) over the node's nonce, its own nonce, the namespace and the
+        tenant; the node answers with its own proof over both nonces and its
+        id, so a client can tell a real node from anyone who merely got an
+        address into etcd. A same-host client is offered a ticket for its
+        namespace's segment (:mod:`dkv.handover`).
+        """
         conn = peer.conn
         nonce = secrets.token_bytes(NONCE_SIZE)
+        local = self.local_credential.path if self.local_credential is not None else None
         await conn.send_message(
-            {"t": "challenge", "v": PROTOCOL_VERSION, "nonce": nonce, "node": self.config.node_id},
+            {"t": "challenge", "v": PROTOCOL_VERSION, "nonce": nonce, "node": self.config.node_id, "local": local},
             HANDSHAKE_TIMEOUT,
         )
         hello = await conn.recv_message(HANDSHAKE_TIMEOUT)
-        if check_request(hello) != "hello":
+        if hello.get("op") != "hello":
             raise ProtocolError("the first message must be hello")
         refusal = None
-        if hello["v"] != PROTOCOL_VERSION:
-            refusal = error_reply("version", f"protocol version {hello['v']} not supported; node speaks {PROTOCOL_VERSION}")
-        elif not proof_matches(self.config.token, nonce, hello["ns"], hello["proof"]):
-            refusal = error_reply("auth", "cluster token proof rejected")
-        elif (self.config.namespaces is not None and hello["ns"] not in self.config.namespaces
-              and hello["ns"] != ADMIN_NAMESPACE):
-            refusal = error_reply("namespace", f"namespace {hello['ns']!r} is not served by this node")
+        if hello.get("v") != PROTOCOL_VERSION:
+            refusal = error_reply("version", f"protocol version {hello.get('v')} not supported; "
+                                             f"node speaks {PROTOCOL_VERSION}")
+        else:
+            check_request(hello)
+            namespace, tenant = hello["ns"], hello["tenant"]
+            credential = self.credentials.get(tenant)
+            expected = None if credential is None else client_proof(credential.secret, nonce, hello["cnonce"],
+                                                                    namespace, tenant)
+            if credential is None or not proof_equals(expected, hello["proof"]):
+                refusal = error_reply("auth", "credential proof rejected: wrong or missing token (or tenant secret)" + (
+                    "" if tenant or self.local_credential is None
+                    else f" (a node without a cluster token admits only clients that can read {local})"))
+            elif namespace == ADMIN_NAMESPACE:
+                if credential.name != CLUSTER:
+                    refusal = error_reply("namespace", f"{ADMIN_NAMESPACE} needs the cluster credential")
+            elif not credential.allows(namespace):
+                refusal = error_reply("namespace", f"namespace {namespace!r} is not granted to this credential")
+            elif self.config.namespaces is not None and namespace not in self.config.namespaces:
+                refusal = error_reply("namespace", f"namespace {namespace!r} is not served by this node")
+            elif (busy := self._admit_credential(peer, credential)) is not None:
+                refusal = error_reply("busy", busy)  # the credential's connection cap: NodeBusy at connect
         if refusal is not None:
             self._count_error(refusal["code"])
             await conn.send_message(refusal, HANDSHAKE_TIMEOUT)
             return False
-        peer.namespace = hello["ns"]
-        peer.client_owner = f"client:{hello['client']}"
+        peer.namespace = namespace
+        peer.credential = credential
+        peer.client_owner = f"client:{credential.name}:{hello['client']}"  # client ids are per credential
         self._client_conns[peer.client_owner] = self._client_conns.get(peer.client_owner, 0) + 1
+        shm = None
+        if hello["host"] == host_id() and namespace != ADMIN_NAMESPACE:
+            shm = {"socket": self.handover.name, "access": credential.access,
+                   "ticket": self.handover.issue(peer.conn_owner, namespace, credential.can_write)}
         await conn.send_message(
             {
                 "ok": True,
                 "node": self.config.node_id,
                 "epoch": self.epoch,
                 "host": host_id(),
-                "arena": {"name": self.arena.shm_name, "size": self.arena.size},
+                "proof": node_proof(credential.secret, nonce, hello["cnonce"], self.config.node_id),
+                "shm": shm,
                 "limits": {"max_frame": MAX_FRAME, "max_keys": MAX_KEYS, "max_leaves": MAX_LEAVES,
                            "lease_ttl": self.config.lease_ttl, "read_ttl": self.config.read_ttl,
-                           "max_leases": self.config.max_leases_per_client},
+                           "max_leases": self.config.max_leases_per_client, "max_cost": self.config.max_cost},
             },
             HANDSHAKE_TIMEOUT,
         )
         return True
+
+    def _share_segment(self, namespace: str, writable: bool) -> int | None:
+        segment = self.arena.segment(namespace)
+        return segment.share(writable) if segment is not None else None
+
+    def _segment_granted(self, conn_owner: str, writable: bool) -> None:
+        peer = self._peers.get(conn_owner)
+        if peer is not None and peer.shm is None:
+            peer.shm = "write" if writable else "read"
+            self.arena.hold(peer.namespace)  # not dropped while this connection may use it
 
     # ---- ops ----------------------------------------------------------------------------------
 
@@ -293,6 +576,9 @@ class NodeServer:
         self.ops[op] = self.ops.get(op, 0) + 1
         handler: Callable[[_Peer, dict[str, Any]], Any] = getattr(self, f"_op_{op}")
         try:
+            if op in COSTED_OPS:
+                self._check_cost(request)  # before any work: one request must not stall the node
+            self._authorise(peer, op, request)
             await handler(peer, request)
         except RemoteError as exc:
             self._count_error(exc.code)
@@ -300,6 +586,22 @@ class NodeServer:
         except ValueError as exc:
             self._count_error("invalid")
             await peer.conn.send_message(error_reply("invalid", str(exc)), self.config.op_timeout)
+
+    @staticmethod
+    def _authorise(peer: _Peer, op: str, request: dict[str, Any]) -> None:
+        """Refuse writes to a read-only credential, and the same-host path to a connection not handed its segment.
+
+        ``shm`` is never taken on the client's word: only a connection that
+        redeemed its ticket holds a mapping, and only a writable one may
+        reserve slots for bytes it copies in itself.
+        """
+        assert peer.credential is not None
+        if op in WRITE_OPS and not peer.credential.can_write:
+            raise RemoteError("forbidden", f"credential {peer.credential.label!r} may only read")
+        if request.get("shm") is True and (peer.shm is None or (op == "write" and peer.shm != "write")):
+            raise RemoteError("shm", "this connection was not handed a writable mapping of its segment"
+                              if peer.shm == "read" else "this connection was not handed its segment: "
+                              "use the listener path (shm false)")
 
     async def _reply(self, peer: _Peer, **fields: Any) -> None:
         await peer.conn.send_message({"ok": True, **fields}, self.config.op_timeout)
@@ -315,16 +617,50 @@ class NodeServer:
         masks, lease = self.store.lookup(
             peer.namespace, req["hashes"], req["leaves"], req["shards"],
             owner=peer.client_owner if req["lease"] else None, group=req["group"], promoted=promoted,
+            tenant=_tenant_of(peer),
         )
         await self._reply(peer, masks=_pack_masks(masks), lease=lease.lease_id if lease else None,
                           ttl=self.config.lease_ttl)
 
+    def _check_cost(self, req: dict[str, Any]) -> None:
+        """Refuse a lookup, probe or touch over max_cost (hashes x leaves x shards) before any work starts."""
+        cost = len(req["hashes"]) * len(req["leaves"]) * req["shards"]
+        if cost > self.config.max_cost:
+            raise RemoteError("too_costly", f"{len(req['hashes'])} hashes x {len(req['leaves'])} leaves x "
+                                            f"{req['shards']} shards = {cost} exceeds the node's max_cost "
+                                            f"({self.config.max_cost}): split the request")
+
+    @staticmethod
+    def _chunks(req: dict[str, Any]) -> list[range]:
+        """Runs of ``req``'s hashes that each cost at most YIELD_COST (at least one hash each)."""
+        per = max(1, YIELD_COST // (len(req["leaves"]) * req["shards"]))
+        count = len(req["hashes"])
+        return [range(start, min(start + per, count)) for start in range(0, count, per)] or [range(0)]
+
     async def _op_probe(self, peer: _Peer, req: dict[str, Any]) -> None:
-        masks = self.store.presence(peer.namespace, req["hashes"], req["leaves"], req["shards"])
+        """Presence masks, a chunk at a time with other connections served in between (not atomic)."""
+        hashes, leaves, shards = req["hashes"], req["leaves"], req["shards"]
+        masks: dict[str, list[bool]] = {leaf: [] for leaf in leaves}
+        for i, run in enumerate(self._chunks(req)):
+            if i:
+                await asyncio.sleep(0)
+            for leaf, mask in self.store.presence(peer.namespace, hashes[run.start:run.stop], leaves, shards).items():
+                masks[leaf] += mask
         await self._reply(peer, masks=_pack_masks(masks))
 
     async def _op_touch(self, peer: _Peer, req: dict[str, Any]) -> None:
-        found = self.store.touch(peer.namespace, req["hashes"], req["leaves"], req["shards"])
+        """Stamp the held blocks a chunk at a time, deepest chunk first (so the root's is the newest use).
+
+        Each chunk is one use, as when the client splits a touch: the chain
+        still evicts deepest first and its root last. Other connections are
+        served between chunks (not atomic).
+        """
+        hashes, leaves, shards = req["hashes"], req["leaves"], req["shards"]
+        found = 0
+        for i, run in enumerate(reversed(self._chunks(req))):
+            if i:
+                await asyncio.sleep(0)
+            found += self.store.touch(peer.namespace, hashes[run.start:run.stop], leaves, shards)
         await self._reply(peer, found=found)
 
     async def _op_read(self, peer: _Peer, req: dict[str, Any]) -> None:
@@ -343,12 +679,13 @@ class NodeServer:
             self.store.end_lease(req["lease"])
         slots = read.slots
         sizes = [p.size for p in slots]
+        sums = [p.checksum for p in slots]  # the client checks what it received against these
         if req["shm"]:
-            await self._reply(peer, sizes=sizes, offsets=[p.offset for p in slots], read=read.read_id)
+            await self._reply(peer, sizes=sizes, offsets=[p.offset for p in slots], read=read.read_id, sums=sums)
             return  # the client copies from the shared arena, then sends done
         try:
-            await self._reply(peer, sizes=sizes)
-            await peer.conn.send_payloads([self.arena.slot(p.offset, p.size) for p in slots if p.size],
+            await self._reply(peer, sizes=sizes, sums=sums)
+            await peer.conn.send_payloads([self.arena.slot(peer.namespace, p.offset, p.size) for p in slots if p.size],
                                           self.config.op_timeout)
         finally:
             self.store.end_read(read.read_id)
@@ -363,23 +700,48 @@ class NodeServer:
         keys = self._keys(peer, req["keys"])
         if len(keys) != len(req["sizes"]):
             raise ProtocolError("write: keys and sizes differ in length")
-        res, statuses = self.store.reserve(peer.conn_owner, keys, req["sizes"])
+        sums = req.get("sums")  # optional: a client that declares no checksums (an old one) sends none
+        if sums is not None and len(sums) != len(keys):
+            raise ProtocolError("write: keys and checksums differ in length")
+        res, statuses = self.store.reserve(peer.conn_owner, keys, req["sizes"], sums, tenant=_tenant_of(peer))
         if req["shm"]:
             await self._reply(peer, write=res.write_id, status=statuses, offsets=res.offsets)
             return  # the client copies into the reserved slots, then commits
         try:
             await self._reply(peer, write=res.write_id, status=statuses)
-            slots = [self.arena.slot(o, n) for o, n in zip(res.offsets, res.sizes) if n]
+            slots = [self.arena.slot(peer.namespace, o, n) for o, n in zip(res.offsets, res.sizes) if n]
             await peer.conn.recv_payloads(slots, self.config.op_timeout)
         except BaseException:
             self.store.abort(res.write_id)  # the transport aborted the endpoint first: no late bytes
             raise
-        committed = self.store.commit(res.write_id, peer.conn_owner)
-        await self._reply(peer, committed=len(committed))
+        await self._commit_write(peer, res.write_id)
 
     async def _op_commit(self, peer: _Peer, req: dict[str, Any]) -> None:
-        committed = self.store.commit(req["write"], peer.conn_owner)
-        await self._reply(peer, committed=len(committed))
+        await self._commit_write(peer, req["write"])
+
+    async def _commit_write(self, peer: _Peer, write_id: int) -> None:
+        """Commit a reservation, checking each declared checksum against its slot first; reply with the counts.
+
+        With ``verify_writes`` a block whose bytes in the slot do not hash to
+        what its writer declared is not committed (the store frees its slot
+        and counts it): this is how a block is committed only when exactly its
+        declared bytes arrived (UCX does not report a short message's length).
+        The reply says ``committed`` and ``rejected``.
+        """
+        res = self.store.reservations.get(write_id)
+        reserved = len(res.keys) if res is not None and res.owner == peer.conn_owner else 0
+        verify = self._slot_matches if self.config.verify_writes else None
+        committed = self.store.commit(write_id, peer.conn_owner, verify=verify)
+        rejected = reserved - len(committed)
+        if rejected:
+            log.warning("write %d from %s: %d block(s) did not match their declared checksum; not committed",
+                        write_id, peer.conn.peer, rejected)
+        await self._reply(peer, committed=len(committed), rejected=rejected)
+
+    def _slot_matches(self, key: StoreKey, offset: int, size: int, checksum: bytes) -> bool:
+        """True when the bytes in ``key``'s reserved slot hash to ``checksum`` (see :mod:`dkv.checksum`)."""
+        data = self.arena.slot(key.namespace, offset, size) if size else b""
+        return checksum_matches(key.leaf, key.shard, key.hash, data, checksum)
 
     async def _op_abort(self, peer: _Peer, req: dict[str, Any]) -> None:
         res = self.store.reservations.get(req["write"])
@@ -415,7 +777,8 @@ class NodeServer:
             "uptime_s": round(time.time() - self.started_at, 3),
             "protocol_version": PROTOCOL_VERSION,
             "host": {"free": host_free, "total": host_total, "used": host_total - host_free,
-                     "shm": self.arena.shm_name, "pinned": self.arena.pinned},
+                     "segments": self.arena.segments, "free_resident": self.arena.resident_free,
+                     "trims": self.arena.trims},
             "disk": {"free": disk_free, "total": disk_total, "used": disk_total - disk_free},
             "blocks": len(store.blocks),
             "blocks_on_disk": store.blocks_off_host(),
@@ -424,13 +787,32 @@ class NodeServer:
             "pinned_blocks": store.pinned_blocks,
             "reads": len(store.reads),
             "reservations": len(store.reservations),
-            "connections": len(self._peers),
+            "handover": {"granted": self.handover.granted, "refused": self.handover.refused},
+            "connections": self._connections(),
+            "unauthenticated": len(self._authenticating),
+            "reaped": dict(self.reaped),  # closed by the node: "idle" (idle timeout), "cap" (to admit another)
             "clients": len(self._client_conns),
             "ops": dict(self.ops),
             "errors": dict(self.errors_by_code),
             "counters": vars(store.counters).copy(),
             "cluster": self.presence.stats() if self.presence is not None else None,
+            "limits": {"max_blocks": store.max_blocks, "max_leases": store.max_leases,
+                       "max_reserved_bytes_per_connection": store.max_reserved_bytes_per_owner,
+                       "reservation_ttl": store.reservation_ttl},
+            # per credential that has used this node ("(cluster)": the cluster credential): holdings and quotas
+            "tenants": {name or "(cluster)": usage for name, usage in store.tenant_stats().items()},
         }
+
+    def _quotas_of(self, name: str) -> Quotas:
+        """The quotas of credential ``name`` (the store resolves ``None`` fields to the node's defaults)."""
+        credential = self.credentials.get(name)
+        return credential.quotas if credential is not None else Quotas()
+
+
+def _tenant_of(peer: _Peer) -> str:
+    """The name of the credential ``peer`` authenticated with (``""``: the cluster credential)."""
+    assert peer.credential is not None, "ops run only on authenticated connections"
+    return peer.credential.name
 
 
 def _pack_masks(masks: dict[str, list[bool]]) -> dict[str, bytes]:

@@ -38,6 +38,18 @@ Contracts (DESIGN.md §3):
   ``lookup(promoted=...)``). A failed write or read drops the block
   (unpublished). No error path leaks a reservation, a pin, a slot or disk
   space.
+* **Bounds and quotas (no client exhausts the node).** Every block is
+  charged to the credential that wrote it (``tenant``; ``""`` is the cluster
+  credential), and each credential keeps its own recency heap; the node's
+  eviction takes the oldest top across them, so the order above is kept.
+  ``max_blocks`` bounds the blocks on every tier plus reserved keys (a
+  zero-byte block holds no bytes but costs memory and a directory entry);
+  reaching it drops the oldest blocks. Uncommitted reservations are bounded
+  per connection and per credential, in bytes and keys: beyond, a key is
+  FULL and nobody's block is evicted for it. A credential over its
+  ``max_stored_bytes`` or ``max_blocks`` makes room from its own blocks
+  only. Leases: per client, per credential (one more ends its oldest) and
+  per node (:class:`NodeBusy`). See :meth:`reserve` and :meth:`lookup`.
 """
 
 from __future__ import annotations
@@ -50,17 +62,30 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from dkv.arena import Arena, align_up
+from dkv.arena import PAGE, Arena, align_up
 from dkv.disk_tier import DiskEntry, DiskTier
-from dkv.errors import LeaseExpired, WriteRejected
+from dkv.credentials import Quotas
+from dkv.errors import LeaseExpired, NodeBusy, WriteRejected
 from dkv.spill import DEFAULT_STAGING_BYTES, SpillJob, Staging
 
 log = logging.getLogger(__name__)
 
 DEFAULT_LEASE_TTL = 10.0
-DEFAULT_RESERVATION_TTL = 30.0
+# A reservation lives from the write's reply to its commit: one op on the listener path (bounded by the
+# node's op timeout, 10 s), a memory copy on the same-host path. 15 s outlasts both with a margin, and halves
+# how long a writer that reserves and then stalls (connection open, no commit) holds its share of the pool.
+DEFAULT_RESERVATION_TTL = 15.0
 DEFAULT_READ_TTL = 30.0
 DEFAULT_MAX_LEASES_PER_OWNER = 64
+DEFAULT_MAX_LEASES = 65536  # leases the whole node may hold (all clients, all credentials)
+DEFAULT_MAX_LEASES_PER_TENANT = 8192  # leases one credential's clients may hold together
+BLOCKS_PER_POOL_BYTES = 16 * 1024  # default max_blocks: one block per 16 KiB of pool ...
+MIN_MAX_BLOCKS = 16384  # ... and never fewer than this
+RESERVED_FLOOR_PER_OWNER = 256 * 2**20  # a connection may always reserve this much (one ordinary write) ...
+RESERVED_FLOOR_PER_TENANT = 512 * 2**20  # ... and a credential this much, however small the pool's fractions
+# reserved keys (a zero-byte key holds no bytes): a connection max_blocks/8, a credential max_blocks/4, with floors
+RESERVED_KEYS_FLOOR_PER_OWNER = 1024
+RESERVED_KEYS_FLOOR_PER_TENANT = 2048
 MAX_BLOCK_SIZE = 256 * 2**20
 HEAP_SLACK = 1024  # stale recency entries tolerated beyond one per block before a compaction
 
@@ -83,6 +108,8 @@ class Block:
     depth: int = 0
     pins: int = 0  # leases and reads holding it
     order: int = 0  # bumps on every restamp; stale heap entries are skipped
+    checksum: bytes | None = None  # the writer's end-to-end checksum (dkv.checksum); None: written without one
+    tenant: str = ""  # the credential that wrote it (its quotas pay for it); "" is the cluster credential
 
     @property
     def on_host(self) -> bool:
@@ -96,6 +123,7 @@ class Lease:
     group: int
     keys: dict[StoreKey, int]  # key -> depth in the looked-up run
     expires_at: float
+    tenant: str = ""  # the credential of the client that looked up (its lease quota pays for it)
 
 
 @dataclass(slots=True)
@@ -116,13 +144,71 @@ class Reservation:
     offsets: list[int]
     sizes: list[int]
     expires_at: float
+    sums: list[bytes | None] = field(default_factory=list)  # per reserved key: its declared checksum, or None
+    tenant: str = ""  # the writer's credential
+    reserved_bytes: int = 0  # pool bytes its slots hold (page-aligned), charged to its owner and tenant
+
+
+@dataclass(slots=True)
+class TenantLimits:
+    """One credential's bounds on this node, resolved (no ``None``): see :class:`dkv.credentials.Quotas`."""
+
+    stored_bytes: int  # pool bytes its blocks and reservations may hold; beyond, its own oldest blocks go
+    reserved_bytes: int  # pool bytes its uncommitted reservations may hold; beyond, FULL
+    blocks: int  # blocks (any tier) plus reserved keys; beyond, its own oldest blocks go
+    leases: int  # leases its clients may hold together; one more ends its oldest
+
+
+@dataclass(slots=True)
+class TenantUsage:
+    """What one credential holds on this node, and its own recency order (DESIGN contract 7, per credential)."""
+
+    name: str
+    limits: TenantLimits
+    stored_bytes: int = 0  # page-aligned bytes of its blocks on the host tier
+    host_blocks: int = 0  # its blocks on the host tier (zero-byte ones included)
+    blocks: int = 0  # its blocks on any tier (host, staging, disk)
+    reserved_bytes: int = 0  # page-aligned bytes of its live reservations
+    reserved_keys: int = 0  # keys of its live reservations
+    leases: dict[int, None] = field(default_factory=dict)  # its leases, oldest first
+    heap: list[tuple[int, int, int, StoreKey]] = field(default_factory=list)  # (stamp, -depth, order, key)
+    off_host: dict[StoreKey, None] = field(default_factory=dict)  # its blocks off the host tier, oldest first
+
+    def stats(self) -> dict[str, int]:
+        lim = self.limits
+        return {"stored_bytes": self.stored_bytes, "blocks": self.blocks, "blocks_off_host": len(self.off_host),
+                "reserved_bytes": self.reserved_bytes, "reserved_blocks": self.reserved_keys,
+                "leases": len(self.leases), "max_stored_bytes": lim.stored_bytes,
+                "max_reserved_bytes": lim.reserved_bytes, "max_blocks": lim.blocks, "max_leases": lim.leases}
+
+
+def slot_cost(size: int) -> int:
+    """Pool bytes a block of ``size`` bytes holds (page-aligned; a zero-byte block owns no slot)."""
+    return (size + _PAGE_MASK) & ~_PAGE_MASK  # align_up, inline (0 stays 0): it runs per key
+
+
+_PAGE_MASK = PAGE - 1
+
+
+def default_max_blocks(pool_size: int) -> int:
+    """The node's default block bound: one block per 16 KiB of pool, at least :data:`MIN_MAX_BLOCKS`.
+
+    Every indexed block costs node memory (a few hundred bytes: its entry,
+    key, recency entry, directory state) and, published, an etcd key, however
+    few bytes it holds: a zero-byte block holds none. Real KV blocks are 16 KiB
+    or more, so a pool of them fills its bytes before this bound; the index
+    stays within about 2-3 % of the pool, and a small pool still takes a few
+    thousand small blocks.
+    """
+    return max(pool_size // BLOCKS_PER_POOL_BYTES, MIN_MAX_BLOCKS)
 
 
 class SlotPlan(NamedTuple):
-    """Where a block's bytes live in the arena (a zero-byte block owns no slot)."""
+    """Where a block's bytes live in the arena (a zero-byte block owns no slot), and its checksum."""
 
     offset: int
     size: int
+    checksum: bytes | None = None
 
 
 class ReadPlan(NamedTuple):
@@ -147,6 +233,7 @@ class Promoted(NamedTuple):
 
 
 _LEASE, _READ, _RESERVATION = 0, 1, 2  # kinds of expiring items
+_NOTHING_HELD = (0, 0)  # a connection without reservations: (bytes, keys)
 
 WRITE = "write"  # reserved for this writer: send the bytes
 EXISTS = "exists"  # already committed: nothing to send
@@ -177,6 +264,12 @@ class StoreCounters:
     reads_expired: int = 0
     touches: int = 0
     full_refusals: int = 0
+    quota_refusals: int = 0  # keys answered FULL by a reservation or tenant quota (nobody else's block evicted)
+    quota_evictions: int = 0  # blocks a credential over its stored-bytes or block quota lost to its own new ones
+    leases_dropped_over_quota: int = 0  # oldest leases of a credential at its lease quota, ended for a new one
+    leases_refused: int = 0  # leased lookups refused (NodeBusy): the node held max_leases
+    checksum_rejects: int = 0  # reserved blocks not committed: their bytes did not match the declared checksum
+    unverified_commits: int = 0  # blocks committed under verification without a declared checksum (old writers)
 
 
 @dataclass
@@ -194,8 +287,31 @@ class Store:
     on_evict: list[Callable[[list[StoreKey]], None]] = field(default_factory=list)
     staging_bytes: int = DEFAULT_STAGING_BYTES  # memory for evicted blocks waiting for their spill write
     on_spill: list[Callable[[], None]] = field(default_factory=list)  # disk work queued (spill or garbage)
+    # ---- bounds (see the README's Limits): None derives the default from the pool's size
+    max_blocks: int | None = None  # blocks on any tier plus reserved keys, node-wide (default: default_max_blocks)
+    max_leases: int = DEFAULT_MAX_LEASES  # leases node-wide; at it, a leased lookup raises NodeBusy
+    max_reserved_bytes_per_owner: int | None = None  # one connection's uncommitted reservations (default pool/8)
+    # a credential's quotas: ``quotas(name)`` gives its Quotas; a None field there takes these node defaults
+    quotas: Callable[[str], Quotas] | None = None
+    max_reserved_bytes_per_tenant: int | None = None  # default pool/4
+    max_leases_per_tenant: int = DEFAULT_MAX_LEASES_PER_TENANT
 
     def __post_init__(self) -> None:
+        capacity = self.arena.capacity
+        if self.max_blocks is None:
+            self.max_blocks = default_max_blocks(capacity)
+        if self.max_reserved_bytes_per_owner is None:
+            self.max_reserved_bytes_per_owner = min(capacity, max(capacity // 8, RESERVED_FLOOR_PER_OWNER))
+        if self.max_reserved_bytes_per_tenant is None:
+            self.max_reserved_bytes_per_tenant = min(capacity, max(capacity // 4, RESERVED_FLOOR_PER_TENANT))
+        # the bounds as reserve() checks them, fixed at construction (like the credentials' quotas)
+        self._max_blocks: int = self.max_blocks
+        self._owner_reserved_bytes_cap: int = self.max_reserved_bytes_per_owner
+        self._owner_keys_cap = min(self.max_blocks, max(self.max_blocks // 8, RESERVED_KEYS_FLOOR_PER_OWNER))
+        self._tenant_keys_cap = min(self.max_blocks, max(self.max_blocks // 4, RESERVED_KEYS_FLOOR_PER_TENANT))
+        self._tenants: dict[str, TenantUsage] = {}
+        self._owner_reserved: dict[str, list[int]] = {}  # reservation owner -> [bytes, keys] it holds reserved
+        self._off_host: dict[StoreKey, None] = {}  # every block off the host tier, oldest first
         self.blocks: dict[StoreKey, Block] = {}
         self.leases: dict[int, Lease] = {}
         self.reservations: dict[int, Reservation] = {}
@@ -207,11 +323,72 @@ class Store:
         self.counters = StoreCounters()
         self._group_lease: dict[tuple[str, int], int] = {}
         self._owner_leases: dict[str, dict[int, None]] = {}
-        self._heap: list[tuple[int, int, int, StoreKey]] = []
         self._stamps = itertools.count(1)
         self._ids = itertools.count(1)
         self._orders = itertools.count(1)
         self._staging = Staging(self.staging_bytes)
+
+    # ---- credentials: what each holds, its quotas, its own recency order ------------------------
+
+    def _tenant(self, name: str) -> TenantUsage:
+        """``name``'s usage, made on first use with its quotas resolved (a credential's quotas do not change)."""
+        usage = self._tenants.get(name)
+        if usage is None:
+            q = self.quotas(name) if self.quotas is not None else Quotas()
+            assert self.max_blocks is not None and self.max_reserved_bytes_per_tenant is not None
+            limits = TenantLimits(
+                stored_bytes=self.arena.capacity if q.max_stored_bytes is None else q.max_stored_bytes,
+                reserved_bytes=(self.max_reserved_bytes_per_tenant if q.max_reserved_bytes is None
+                                else q.max_reserved_bytes),
+                blocks=self.max_blocks if q.max_blocks is None else q.max_blocks,
+                leases=self.max_leases_per_tenant if q.max_leases is None else q.max_leases,
+            )
+            usage = self._tenants[name] = TenantUsage(name, limits)
+        return usage
+
+    def tenant_stats(self) -> dict[str, dict[str, int]]:
+        """Per credential that has used this node (``""``: the cluster's): what it holds, and its bounds."""
+        return {name: usage.stats() for name, usage in self._tenants.items()}
+
+    def _index(self, block: Block) -> None:
+        """A new block (on the host tier) enters the index, charged to its credential."""
+        self.blocks[block.key] = block
+        usage = self._tenant(block.tenant)
+        usage.blocks += 1
+        usage.host_blocks += 1
+        usage.stored_bytes += slot_cost(block.size)
+
+    def _unindex(self, block: Block) -> None:
+        """``block`` leaves the index, whatever its tier (the caller frees its slot or its file)."""
+        del self.blocks[block.key]
+        usage = self._tenants[block.tenant]
+        usage.blocks -= 1
+        if block.on_host:
+            usage.host_blocks -= 1
+            usage.stored_bytes -= slot_cost(block.size)
+        else:
+            usage.off_host.pop(block.key, None)
+            self._off_host.pop(block.key, None)
+
+    def _left_host(self, block: Block) -> None:
+        """``block`` was spilled: off the host tier, still indexed (its slot is the caller's to free)."""
+        usage = self._tenants[block.tenant]
+        usage.host_blocks -= 1
+        usage.stored_bytes -= slot_cost(block.size)
+        usage.off_host[block.key] = None
+        self._off_host[block.key] = None
+        block.offset = -1
+
+    def _back_on_host(self, block: Block, offset: int) -> None:
+        """An off-host block was promoted into the slot at ``offset``; it keeps its stamp."""
+        usage = self._tenants[block.tenant]
+        block.offset = offset
+        usage.host_blocks += 1
+        usage.stored_bytes += slot_cost(block.size)
+        usage.off_host.pop(block.key, None)
+        self._off_host.pop(block.key, None)
+        block.order = next(self._orders)  # any entry left from its time on the host tier is stale
+        self._push_recency(usage, block)
 
     # ---- presence ---------------------------------------------------------------------------
 
@@ -233,11 +410,19 @@ class Store:
         owner: str | None = None,
         group: int = 0,
         promoted: Mapping[StoreKey, Promoted] | None = None,
+        tenant: str = "",
     ) -> tuple[dict[str, list[bool]], Lease | None]:
         """Presence masks; with ``owner``, also a lease pinning every block reported present.
 
         A leased lookup that finds nothing grants no lease (``None``): there is
         nothing to load, so it costs the owner none of its lease budget.
+
+        Leases are bounded three ways. ``owner`` (a client) holds at most
+        ``max_leases_per_owner`` and ``tenant`` (its credential) at most its
+        quota: one more ends that owner's, or that credential's, oldest lease.
+        The node holds at most ``max_leases``: there a lookup that would need a
+        new lease beyond the bound raises :class:`NodeBusy` (nothing pinned,
+        nobody's lease ended) rather than end another credential's lease.
 
         A leased lookup first ends the owner's previous lease for ``group``
         (back-to-back lookups never stack), and brings spilled blocks back into
@@ -269,10 +454,10 @@ class Store:
                                 pinned[k] = depth
                         else:
                             mask[depth] = False
+                lease = self._grant(owner, group, pinned, tenant) if pinned else None  # nothing found: nothing to hold
             except BaseException:
                 self._unpin_keys(pinned)
                 raise
-            lease = self._grant(owner, group, pinned) if pinned else None  # nothing found: nothing to hold
         hit = sum(m.count(True) for m in masks.values())
         self.counters.hits += hit
         self.counters.misses += len(hashes) * len(masks) - hit
@@ -293,14 +478,28 @@ class Store:
         pinned[key] = 0
         return True
 
-    def _grant(self, owner: str, group: int, pinned: dict[StoreKey, int]) -> Lease:
+    def _grant(self, owner: str, group: int, pinned: dict[StoreKey, int], tenant: str = "") -> Lease:
+        """A new lease, within the owner's, the credential's and the node's bounds; NodeBusy changes nothing."""
+        owned = self._owner_leases.get(owner, {})
+        usage = self._tenant(tenant)
+        if usage.limits.leases <= 0:
+            self.counters.leases_refused += 1
+            raise NodeBusy("busy", "this credential may hold no leases on this node (max_leases = 0)")
+        ends_one = len(owned) >= self.max_leases_per_owner or len(usage.leases) >= usage.limits.leases
+        if not ends_one and len(self.leases) >= self.max_leases:
+            self.counters.leases_refused += 1
+            raise NodeBusy("busy", f"the node holds its maximum of {self.max_leases} leases: try again later")
         owned = self._owner_leases.setdefault(owner, {})
         while len(owned) >= self.max_leases_per_owner:
             self.counters.leases_dropped_over_limit += 1
             self.end_lease(next(iter(owned)))
-        lease = Lease(next(self._ids), owner, group, pinned, self.clock() + self.lease_ttl)
+        while usage.leases and len(usage.leases) >= usage.limits.leases:
+            self.counters.leases_dropped_over_quota += 1
+            self.end_lease(next(iter(usage.leases)))
+        lease = Lease(next(self._ids), owner, group, pinned, self.clock() + self.lease_ttl, tenant)
         self.leases[lease.lease_id] = lease
         owned[lease.lease_id] = None
+        usage.leases[lease.lease_id] = None
         self._group_lease[(owner, group)] = lease.lease_id
         self._schedule_expiry(lease.expires_at, _LEASE, lease.lease_id)
         self.counters.leases_granted += 1
@@ -340,7 +539,7 @@ class Store:
         self.reads[read.read_id] = read
         self._owner_reads.setdefault(owner, {})[read.read_id] = None
         self._schedule_expiry(read.expires_at, _READ, read.read_id)
-        slots = [SlotPlan(blocks[k].offset, blocks[k].size) for k in keys]
+        slots = [SlotPlan(blocks[k].offset, blocks[k].size, blocks[k].checksum) for k in keys]
         self._stamp((k, covered[k]) for k in distinct)
         return ReadPlan(read.read_id, slots)
 
@@ -361,6 +560,14 @@ class Store:
             if block is not None:
                 self._unpin(block)
         return True
+
+    def reads_of(self, owner: str) -> int:
+        """How many reads in flight ``owner`` (a connection) holds."""
+        return len(self._owner_reads.get(owner, ()))
+
+    def leases_of(self, owner: str) -> int:
+        """How many leases ``owner`` (a client) holds."""
+        return len(self._owner_leases.get(owner, ()))
 
     def _pin(self, block: Block) -> None:
         if block.pins == 0:
@@ -385,13 +592,17 @@ class Store:
             if block is not None:
                 self._unpin(block)
         self._owner_leases.get(lease.owner, {}).pop(lease_id, None)
+        usage = self._tenants.get(lease.tenant)
+        if usage is not None:
+            usage.leases.pop(lease_id, None)
         if self._group_lease.get((lease.owner, lease.group)) == lease_id:
             del self._group_lease[(lease.owner, lease.group)]
         return True
 
     # ---- two-phase writes -------------------------------------------------------------------
 
-    def reserve(self, owner: str, keys: Sequence[StoreKey], sizes: Sequence[int]) -> tuple[Reservation, list[str]]:
+    def reserve(self, owner: str, keys: Sequence[StoreKey], sizes: Sequence[int],
+                sums: Sequence[bytes | None] | None = None, *, tenant: str = "") -> tuple[Reservation, list[str]]:
         """Reserve slots for the keys not yet held; returns the reservation and a status per key.
 
         Status is :data:`WRITE` (send the bytes into the planned slot),
@@ -399,11 +610,30 @@ class Store:
         :data:`FULL`. Reserved keys are invisible until :meth:`commit`. If
         anything raises midway (a bad size, a failure while making room), the
         slots and keys reserved so far are given back before it propagates.
+        ``sums`` (one per key, or ``None``) are the writer's declared
+        checksums; each reserved key keeps its own (:meth:`commit`).
+
+        ``tenant`` is the writer's credential: its blocks are charged to it.
+        A key is :data:`FULL` (counted in ``quota_refusals``, nobody's block
+        evicted for it) when it would take past their bound the uncommitted
+        reservations of ``owner`` (``max_reserved_bytes_per_owner``, and an
+        eighth of ``max_blocks`` keys, at least 1 024) or of ``tenant`` (its
+        ``max_reserved_bytes``, and a quarter of ``max_blocks`` keys, at least
+        2 048; never more than ``max_blocks``). Within
+        them, room is made as bytes are: a credential at its
+        ``max_stored_bytes`` or ``max_blocks`` loses its *own* oldest unpinned
+        blocks; the node at ``max_blocks`` drops its oldest blocks (spilled
+        ones first); the pool out of bytes evicts its oldest; with nothing
+        evictable the key is :data:`FULL`.
         """
         if len(keys) != len(sizes):
             raise WriteRejected("write_rejected", "keys and sizes differ in length")
+        if sums is not None and len(sums) != len(keys):
+            raise WriteRejected("write_rejected", "keys and checksums differ in length")
         self.expire()
-        res = Reservation(next(self._ids), owner, [], [], [], self.clock() + self.reservation_ttl)
+        res = Reservation(next(self._ids), owner, [], [], [], self.clock() + self.reservation_ttl, tenant=tenant)
+        usage = self._tenant(tenant)
+        owner_held = self._owner_reserved
         statuses: list[str] = []
         try:
             for key, size in zip(keys, sizes):
@@ -414,14 +644,24 @@ class Store:
                 elif key in self.reserved_keys:
                     statuses.append(BUSY)
                 else:
-                    offset = self._alloc(size)
+                    cost = (size + _PAGE_MASK) & ~_PAGE_MASK  # slot_cost(size)
+                    offset = self._place(res, usage, key.namespace, size, cost)
                     if offset is None:
-                        self.counters.full_refusals += 1
                         statuses.append(FULL)
                         continue
                     res.keys.append(key)
                     res.offsets.append(offset)
                     res.sizes.append(size)
+                    # charged to the reservation, its credential and its connection (see _release_reserved)
+                    res.reserved_bytes += cost
+                    usage.reserved_bytes += cost
+                    usage.reserved_keys += 1
+                    held = owner_held.get(owner)
+                    if held is None:
+                        held = owner_held[owner] = [0, 0]
+                    held[0] += cost
+                    held[1] += 1
+                    res.sums.append(sums[len(statuses)] if sums is not None else None)  # one status per key so far
                     self.reserved_keys[key] = res.write_id
                     statuses.append(WRITE)
         except BaseException:
@@ -431,22 +671,46 @@ class Store:
         self._schedule_expiry(res.expires_at, _RESERVATION, res.write_id)
         return res, statuses
 
-    def commit(self, write_id: int, owner: str) -> list[StoreKey]:
-        """Make a reservation's blocks visible, stamped as one use in key order; returns them."""
+    def commit(self, write_id: int, owner: str, *,
+               verify: Callable[[StoreKey, int, int, bytes], bool] | None = None) -> list[StoreKey]:
+        """Make a reservation's blocks visible, stamped as one use in key order; returns them.
+
+        Each block keeps the checksum its writer declared (:meth:`reserve`).
+        With ``verify`` (the node's ``verify_writes``), every block that
+        declared one is checked first: ``verify(key, offset, size, checksum)``
+        is the server's hash of the bytes now in the slot against it. A block
+        that fails is not committed (its slot is freed, counted in
+        ``checksum_rejects``) and is missing from the returned list; a block
+        that declared none is committed and counted in ``unverified_commits``.
+        If ``verify`` raises, nothing has changed (the reservation stands).
+        """
         res = self.reservations.get(write_id)
         if res is None or res.owner != owner:
             raise WriteRejected("write_rejected", f"write {write_id} is not reserved (expired or aborted)")
+        sums = res.sums if len(res.sums) == len(res.keys) else [None] * len(res.keys)
+        rejected: set[int] = set()
+        if verify is not None:
+            rejected = {i for i, (key, offset, size, checksum) in enumerate(zip(res.keys, res.offsets, res.sizes, sums))
+                        if checksum is not None and not verify(key, offset, size, checksum)}
+            self.counters.checksum_rejects += len(rejected)
+            self.counters.unverified_commits += sums.count(None)
         del self.reservations[write_id]
+        self._release_reserved(res)
         stamp = next(self._stamps)
-        for depth, (key, offset, size) in enumerate(zip(res.keys, res.offsets, res.sizes)):
+        committed: list[StoreKey] = []
+        for depth, (key, offset, size, checksum) in enumerate(zip(res.keys, res.offsets, res.sizes, sums)):
             del self.reserved_keys[key]
-            block = Block(key, size, offset)
-            self.blocks[key] = block
+            if depth in rejected:
+                self._free(key.namespace, offset, size)
+                continue
+            block = Block(key, size, offset, checksum=checksum, tenant=res.tenant)
+            self._index(block)
             self._restamp(block, stamp, depth)
-        self.counters.commits += len(res.keys)
+            committed.append(key)
+        self.counters.commits += len(committed)
         for callback in self.on_commit:
-            callback(list(res.keys))
-        return res.keys
+            callback(list(committed))
+        return committed
 
     def abort(self, write_id: int) -> bool:
         """Drop a reservation and free its slots; False if it was not held. Idempotent."""
@@ -458,9 +722,50 @@ class Store:
 
     def _abort(self, res: Reservation) -> None:
         self.counters.aborted_writes += len(res.keys)
+        self._release_reserved(res)
         for key, offset, size in zip(res.keys, res.offsets, res.sizes):
             self.reserved_keys.pop(key, None)
-            self._free(offset, size)
+            self._free(key.namespace, offset, size)
+
+    def _place(self, res: Reservation, usage: TenantUsage, namespace: str, size: int, cost: int) -> int | None:
+        """A slot for one more key of ``res`` (``cost`` pool bytes) within every bound (see :meth:`reserve`).
+
+        ``None`` (counted) means FULL. The checks that find room cost a few
+        comparisons; only a bound reached calls into eviction.
+        """
+        held_bytes, held_keys = self._owner_reserved.get(res.owner, _NOTHING_HELD)
+        limits = usage.limits
+        if (held_bytes + cost > self._owner_reserved_bytes_cap or held_keys >= self._owner_keys_cap
+                or usage.reserved_bytes + cost > limits.reserved_bytes
+                or usage.reserved_keys >= self._tenant_keys_cap):
+            self.counters.quota_refusals += 1
+            return None
+        max_blocks = self._max_blocks
+        if ((limits.blocks < max_blocks and usage.blocks + usage.reserved_keys >= limits.blocks)
+                or len(self.blocks) + len(self.reserved_keys) >= max_blocks) and not self._block_room(usage):
+            return None
+        if (cost and limits.stored_bytes < self.arena.capacity
+                and usage.stored_bytes + usage.reserved_bytes + cost > limits.stored_bytes
+                and not self._tenant_room(usage, cost)):
+            self.counters.quota_refusals += 1
+            return None
+        offset = self._alloc(namespace, size)
+        if offset is None:
+            self.counters.full_refusals += 1
+        return offset
+
+    def _release_reserved(self, res: Reservation) -> None:
+        """A reservation ended (committed, aborted, expired): its owner and credential hold its slots no more."""
+        usage = self._tenants.get(res.tenant)
+        if usage is not None:
+            usage.reserved_bytes -= res.reserved_bytes
+            usage.reserved_keys -= len(res.keys)
+        held = self._owner_reserved.get(res.owner)
+        if held is not None:
+            held[0] -= res.reserved_bytes
+            held[1] -= len(res.keys)
+            if held[1] <= 0:
+                del self._owner_reserved[res.owner]
 
     # ---- recency ----------------------------------------------------------------------------
 
@@ -478,27 +783,48 @@ class Store:
         return len(found)
 
     def _stamp(self, keyed_depths: Iterable[tuple[StoreKey, int]]) -> None:
+        """One use of these blocks: :meth:`_restamp` of each, inlined (touch, loaded lookups: the hot path)."""
         stamp = next(self._stamps)
+        blocks, tenants, orders, push = self.blocks, self._tenants, self._orders, heapq.heappush
         for key, depth in keyed_depths:
-            self._restamp(self.blocks[key], stamp, depth)
+            block = blocks[key]
+            order = next(orders)
+            block.stamp, block.depth, block.order = stamp, depth, order
+            if block.offset >= 0:  # on the host tier
+                usage = tenants[block.tenant]
+                heap = usage.heap
+                push(heap, (stamp, -depth, order, key))
+                if len(heap) > 2 * usage.host_blocks + HEAP_SLACK:
+                    self._compact_recency(usage)
 
     def _restamp(self, block: Block, stamp: int, depth: int) -> None:
         block.stamp, block.depth, block.order = stamp, depth, next(self._orders)
         if block.on_host:
-            heapq.heappush(self._heap, (stamp, -depth, block.order, block.key))
-            if len(self._heap) > 2 * len(self.blocks) + HEAP_SLACK:
-                self._compact_recency()
+            self._push_recency(self._tenants[block.tenant], block)
 
-    def _compact_recency(self) -> None:
-        """Drop stale recency entries: the heap holds one live entry per host block plus bounded slack.
+    def _push_recency(self, usage: TenantUsage, block: Block) -> None:
+        """Enter a host block's current stamp in its credential's recency heap (one heap per credential)."""
+        heap = usage.heap
+        heapq.heappush(heap, (block.stamp, -block.depth, block.order, block.key))
+        if len(heap) > 2 * usage.host_blocks + HEAP_SLACK:
+            self._compact_recency(usage)
+
+    def _compact_recency(self, usage: TenantUsage) -> None:
+        """Drop stale recency entries: the heap keeps one live entry per host block plus bounded slack.
 
         Every restamp leaves the block's previous entry behind; without this,
         the heap grew with every read ever served and eviction slowed with it.
-        Amortised O(1) per restamp (a rebuild after at least ``len(blocks)``
-        pushes).
+        Amortised O(1) per restamp: a pass over the heap itself (never over
+        other credentials' blocks) after at least ``host_blocks`` pushes.
         """
-        self._heap = [(b.stamp, -b.depth, b.order, b.key) for b in self.blocks.values() if b.on_host]
-        heapq.heapify(self._heap)
+        blocks = self.blocks
+        usage.heap = [entry for entry in usage.heap
+                      if (b := blocks.get(entry[3])) is not None and b.order == entry[2] and b.offset >= 0]
+        heapq.heapify(usage.heap)
+
+    def recency_entries(self) -> int:
+        """Entries in the recency heaps (live and stale): bounded by twice the host blocks plus slack each."""
+        return sum(len(usage.heap) for usage in self._tenants.values())
 
     # ---- ownership and expiry -------------------------------------------------------------
 
@@ -535,15 +861,15 @@ class Store:
 
     # ---- space ------------------------------------------------------------------------------
 
-    def _alloc(self, size: int) -> int | None:
-        """A slot for ``size`` bytes, evicting unpinned blocks oldest-first until one frees."""
+    def _alloc(self, namespace: str, size: int) -> int | None:
+        """A slot for ``size`` bytes in ``namespace``'s segment, evicting unpinned blocks oldest-first until one frees."""
         if size == 0:
             return 0  # a zero-byte block owns no slot
-        if align_up(size) > self.arena.allocator.capacity:
+        if align_up(size) > self.arena.capacity:
             return None
         evicted: list[StoreKey] = []
         try:
-            while (offset := self.arena.allocator.alloc(size)) is None:
+            while (offset := self.arena.allocate(namespace, size)) is None:
                 victim = self._next_victim()
                 if victim is None:
                     return None
@@ -554,47 +880,143 @@ class Store:
             if evicted:
                 self._notify_evicted(evicted)
 
-    def _free(self, offset: int, size: int) -> None:
+    def _free(self, namespace: str, offset: int, size: int) -> None:
         if offset >= 0 and size > 0:
-            self.arena.allocator.free(offset, size)
+            self.arena.free(namespace, offset, size)
 
-    def _next_victim(self) -> Block | None:
-        """Pop the oldest-stamp, deepest unpinned host block; pinned ones are put back."""
-        skipped = []
+    def _next_victim(self, usage: TenantUsage | None = None) -> Block | None:
+        """Pop the oldest-stamp, deepest unpinned host block (of ``usage``'s credential only, when given).
+
+        Without ``usage``, the oldest across every credential's heap: each
+        heap's top is its oldest, so the oldest of the tops is the node's
+        oldest (a pass over the few credentials per pop). Pinned ones are put
+        back.
+        """
+        blocks = self.blocks
+        usages = (usage,) if usage is not None else self._tenants.values()
+        skipped: list[tuple[TenantUsage, tuple[int, int, int, StoreKey]]] = []
         victim = None
-        while self._heap:
-            entry = heapq.heappop(self._heap)
-            block = self.blocks.get(entry[3])
-            if block is None or block.order != entry[2] or not block.on_host:
-                continue  # stale entry
+        while True:
+            best: TenantUsage | None = None
+            for candidate in usages:
+                heap = candidate.heap
+                while heap:  # drop stale tops: evicted, dropped or restamped since
+                    top = heap[0]
+                    block = blocks.get(top[3])
+                    if block is not None and block.order == top[2] and block.on_host:
+                        break
+                    heapq.heappop(heap)
+                if heap and (best is None or heap[0] < best.heap[0]):
+                    best = candidate
+            if best is None:
+                break
+            entry = heapq.heappop(best.heap)
+            block = blocks[entry[3]]
             if self._pinned(block):
-                skipped.append(entry)
+                skipped.append((best, entry))
                 continue
             victim = block
             break
-        for entry in skipped:
-            heapq.heappush(self._heap, entry)
+        for owner, entry in skipped:
+            heapq.heappush(owner.heap, entry)
         return victim
 
-    def _evict_from_host(self, block: Block) -> bool:
+    def _block_room(self, usage: TenantUsage) -> bool:
+        """Room for one more block (any tier) under ``usage``'s ``max_blocks`` and the node's; False (counted): FULL.
+
+        A block bound reached makes room as bytes do, but by dropping blocks
+        outright (a spill would keep the block indexed): the oldest block off
+        the host tier first (already evicted once), else the oldest unpinned
+        host block. At the credential's bound only its own blocks go.
+        """
+        max_blocks = self._max_blocks
+        evicted: list[StoreKey] = []
+        try:
+            while usage.limits.blocks < max_blocks and usage.blocks + usage.reserved_keys >= usage.limits.blocks:
+                if not self._drop_oldest(usage, evicted):
+                    self.counters.quota_refusals += 1
+                    return False
+                self.counters.quota_evictions += 1
+            while len(self.blocks) + len(self.reserved_keys) >= max_blocks:
+                if not self._drop_oldest(None, evicted):
+                    self.counters.full_refusals += 1
+                    return False
+            return True
+        finally:
+            if evicted:
+                self._notify_evicted(evicted)
+
+    def _drop_oldest(self, usage: TenantUsage | None, dropped: list[StoreKey]) -> bool:
+        """Drop one block (of ``usage``'s credential, or any): the oldest off the host tier, else the oldest host one."""
+        off_host = usage.off_host if usage is not None else self._off_host
+        key = next(iter(off_host), None)
+        if key is not None:  # never pinned: a pinned block is on the host tier
+            self._discard(self.blocks[key])
+            self.counters.disk_drops += 1
+            dropped.append(key)
+            return True
+        victim = self._next_victim(usage)
+        if victim is None:
+            return False
+        self._evict_from_host(victim, spill=False)
+        dropped.append(victim.key)
+        return True
+
+    def _discard(self, block: Block) -> None:
+        """Take ``block`` out of the store whatever its tier: slot freed, or spill cancelled, or file dropped."""
+        key = block.key
+        if block.on_host:
+            self._free(key.namespace, block.offset, block.size)
+        elif self.disk is not None:
+            if not self._unstage(key) and key in self.disk:
+                self.disk.remove(key)
+            self._disk_work()
+        self._unindex(block)
+
+    def _tenant_room(self, usage: TenantUsage, cost: int) -> bool:
+        """Room for ``cost`` more pool bytes under ``usage``'s ``max_stored_bytes``: its own oldest blocks go.
+
+        Its evicted blocks spill as usual, but only into free disk space: making
+        room on disk would drop other credentials' spilled blocks. A quota of
+        the whole pool (the default) is no quota: the pool's own eviction
+        (oldest first, across credentials) makes the room.
+        """
+        if usage.limits.stored_bytes >= self.arena.capacity:
+            return True
+        evicted: list[StoreKey] = []
+        try:
+            while usage.stored_bytes + usage.reserved_bytes + cost > usage.limits.stored_bytes:
+                victim = self._next_victim(usage)
+                if victim is None:
+                    return False
+                self.counters.quota_evictions += 1
+                if self._evict_from_host(victim, drop_others=False):
+                    evicted.append(victim.key)
+            return True
+        finally:
+            if evicted:
+                self._notify_evicted(evicted)
+
+    def _evict_from_host(self, block: Block, *, spill: bool = True, drop_others: bool = True) -> bool:
         """Move ``block`` off the host tier: stage it for a spill if there is a disk tier, else drop it.
 
         Returns True when the block left the store entirely (so it must be
         unpublished). Does no I/O and never raises: the bytes are copied into
         staging memory and the server writes the file later
         (:meth:`take_spill`); with no room in staging or on disk the block is
-        dropped instead, counted in ``spill_drops``.
+        dropped instead, counted in ``spill_drops``. Without ``spill`` it is
+        dropped; without ``drop_others`` it spills only into free disk space.
         """
         self.counters.evictions += 1
-        if self.disk is not None and block.size > 0 and self._stage(block):
-            self._free(block.offset, block.size)
-            block.offset = -1
+        if spill and self.disk is not None and block.size > 0 and self._stage(block, drop_others):
+            self._free(block.key.namespace, block.offset, block.size)
+            self._left_host(block)
             return False
-        del self.blocks[block.key]
-        self._free(block.offset, block.size)
+        self._unindex(block)
+        self._free(block.key.namespace, block.offset, block.size)
         return True
 
-    def _stage(self, block: Block) -> bool:
+    def _stage(self, block: Block, drop_others: bool = True) -> bool:
         """Copy a host block's bytes into staging and queue its spill; False (counted) when there is no room."""
         disk = self.disk
         assert disk is not None
@@ -602,11 +1024,11 @@ class Store:
             self.counters.spill_drops += 1  # staging full, or the tier is busy with files being written
             return False
         try:
-            data = bytearray(self.arena.slot(block.offset, block.size))
+            data = bytearray(self.arena.slot(block.key.namespace, block.offset, block.size))
         except MemoryError:
             self.counters.spill_drops += 1
             return False
-        if not self._make_disk_room(block.size):
+        if not (self._make_disk_room(block.size) if drop_others else block.size <= disk.free):
             self.counters.spill_drops += 1
             return False
         entry = disk.allocate(block.size)
@@ -638,7 +1060,7 @@ class Store:
                 disk.remove(key)
             block = self.blocks.get(key)
             if block is not None and not block.on_host and key not in self._staging:
-                del self.blocks[key]
+                self._unindex(block)
                 gone.append(key)
         self._disk_work()
         if gone:
@@ -693,7 +1115,7 @@ class Store:
         self._disk_work()
         block = self.blocks.get(job.key)
         if block is not None and not block.on_host:
-            del self.blocks[job.key]
+            self._unindex(block)
             self._notify_evicted([job.key])
 
     def disk_reads(self, namespace: str, hashes: Sequence[bytes], leaves: Sequence[str], shards: int,
@@ -790,23 +1212,28 @@ class Store:
             return
         disk.unlink_later(entry.path)
         self._disk_work()
-        del self.blocks[block.key]
+        self._unindex(block)
         self.counters.disk_drops += 1
         self._notify_evicted([block.key])
 
     def _copy_to_host(self, block: Block, data: bytes | bytearray | memoryview) -> bool:
-        """Give an off-host block a host slot holding ``data``; False if there is no room."""
-        offset = self._alloc(block.size)
+        """Give an off-host block a host slot holding ``data``; False if there is no room.
+
+        Room within its credential's ``max_stored_bytes`` first (its own oldest
+        blocks go), then in the pool.
+        """
+        if block.size and not self._tenant_room(self._tenants[block.tenant], slot_cost(block.size)):
+            return False
+        offset = self._alloc(block.key.namespace, block.size)
         if offset is None:
             return False
         try:
-            self.arena.slot(offset, block.size)[:] = data
+            self.arena.slot(block.key.namespace, offset, block.size)[:] = data
         except BaseException:
-            self._free(offset, block.size)
+            self._free(block.key.namespace, offset, block.size)
             raise
-        block.offset = offset
+        self._back_on_host(block, offset)
         self.counters.disk_hits += 1
-        heapq.heappush(self._heap, (block.stamp, -block.depth, block.order, block.key))
         return True
 
     def _unpin_keys(self, keys: Iterable[StoreKey]) -> None:
@@ -828,8 +1255,7 @@ class Store:
 
     def host_bytes(self) -> tuple[int, int]:
         """``(free, total)`` bytes of the host pool (reserved slots count as used)."""
-        allocator = self.arena.allocator
-        return allocator.free_bytes, allocator.capacity
+        return self.arena.free_bytes, self.arena.capacity
 
     def disk_bytes(self) -> tuple[int, int]:
         """``(free, total)`` bytes of the disk tier; ``(0, 0)`` when there is none."""
@@ -841,9 +1267,9 @@ class Store:
         """Drop every unpinned block of ``namespace`` (``reset_prefix_cache``); returns how many."""
         victims = [b for b in self.blocks.values() if b.pins == 0 and b.key.namespace == namespace]
         for block in victims:
-            del self.blocks[block.key]
+            self._unindex(block)
             if block.on_host:
-                self._free(block.offset, block.size)
+                self._free(block.key.namespace, block.offset, block.size)
             elif self.disk is not None:
                 if not self._unstage(block.key) and block.key in self.disk:
                     self.disk.remove(block.key)
@@ -861,5 +1287,7 @@ class Store:
         self.reservations.clear()
         self.reserved_keys.clear()
         self.blocks.clear()
-        self._heap.clear()
+        self._tenants.clear()
+        self._owner_reserved.clear()
+        self._off_host.clear()
         self._staging.clear()

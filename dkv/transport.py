@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
 import os
 import threading
 import weakref
@@ -48,6 +49,11 @@ CONNECT_TIMEOUT = 5.0
 # UCX cancels the endpoint's outstanding requests either way; waiting longer only
 # matters when another thread owns progress of the worker.
 CLOSE_PERIOD_NS = 200_000_000
+# Bodies at least this large are received into an anonymous mapping of their own rather than a
+# bytearray: its pages cost memory only once bytes land in them (a header announcing 8 MiB and
+# then nothing costs none), and unmapping gives them back to the system at once (glibc keeps
+# freed heap chunks of this size, having raised its mmap threshold after the first one).
+MAPPED_BODY_MIN = 256 * 1024
 _initialised = False
 _live: set[Connection] = set()
 _owner_loop: weakref.ReferenceType[asyncio.AbstractEventLoop] | None = None  # the loop that initialised UCX
@@ -181,6 +187,7 @@ class Connection:
             raise
         except Exception as exc:  # ucxx raises its own tree; translate at the boundary
             self.abort()
+            _drop_traceback(exc)  # ucxx keeps it for good: it must not keep our buffers too
             raise TransportError(f"{what} with {self.peer} failed: {type(exc).__name__}: {exc}") from exc
 
     async def send_message(self, message: dict[str, Any], timeout: float = DEFAULT_TIMEOUT) -> None:
@@ -195,18 +202,24 @@ class Connection:
 
         await self._bounded(_send(), timeout, "send")
 
-    async def recv_message(self, timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
+    async def recv_message(self, timeout: float = DEFAULT_TIMEOUT, max_frame: int | None = None) -> dict[str, Any]:
         """Receive one framed message; the header is validated before the body is allocated.
 
-        Raises :class:`dkv.errors.ProtocolError` on a bad header or body; the
-        stream is then out of step, so the caller answers if it wants and must
-        :meth:`abort`.
+        ``max_frame`` bounds this message's body (default: the connection's
+        :attr:`max_frame`, which a node keeps small until the peer has
+        authenticated, so that nothing larger than a handshake is allocated
+        for a stranger). A body whose receive is abandoned (timeout, the peer
+        gone) is freed with it.
+
+        Raises :class:`dkv.errors.ProtocolError` on a bad header or body
+        (:class:`dkv.errors.FrameTooLarge` over the bound); the stream is then
+        out of step, so the caller answers if it wants and must :meth:`abort`.
         """
         if self.closed:
             raise TransportError(f"connection to {self.peer} is closed")
         await self._bounded(self._ep.recv(self._header), timeout, "receive")
-        length = decode_header(self._header, self.max_frame)
-        body = bytearray(length)
+        length = decode_header(self._header, self.max_frame if max_frame is None else max_frame)
+        body: bytearray | mmap.mmap = bytearray(length) if length < MAPPED_BODY_MIN else mmap.mmap(-1, length)
         if length:
             await self._bounded(self._ep.recv(body), timeout, "receive")
         return decode_body(body)
@@ -215,13 +228,13 @@ class Connection:
         """Send each non-empty buffer as its own UCX message, all posted at once."""
         sends = [self._ep.send(b) for b in buffers if _nbytes(b)]
         if sends:
-            await self._bounded(asyncio.gather(*sends), timeout, "payload send")
+            await self._bounded(_gather(sends), timeout, "payload send")
 
     async def recv_payloads(self, buffers: Sequence[Any], timeout: float = DEFAULT_TIMEOUT) -> None:
         """Receive one UCX message into each non-empty buffer, in order, all posted at once."""
         recvs = [self._ep.recv(b) for b in buffers if _nbytes(b)]
         if recvs:
-            await self._bounded(asyncio.gather(*recvs), timeout, "payload receive")
+            await self._bounded(_gather(recvs), timeout, "payload receive")
 
     async def send_raw(self, data: bytes, timeout: float = DEFAULT_TIMEOUT) -> None:
         """Send bytes with no framing (tests of the node's defences use this)."""
@@ -261,6 +274,38 @@ class Connection:
 
 def _nbytes(buffer: Any) -> int:
     return memoryview(buffer).nbytes if not hasattr(buffer, "nbytes") else int(buffer.nbytes)
+
+
+# ucxx completes each request through a Python future that its C++ side keeps referenced after
+# a failed request (a receive cancelled because the peer went away, say) for the life of the
+# process. The exception set on that future is the one raised to us, and once raised its
+# traceback holds the frames it passed through: ucxx's own ``recv``/``send`` frame, whose locals
+# hold the buffer we passed in. Left alone, every receive abandoned that way kept its buffer for
+# good (an 8 MiB frame body, say: 100 peers that announce one and go away kept 800 MB). So each
+# such exception loses its traceback once raised to us; the message says what failed.
+_CHAIN_LIMIT = 8
+
+
+def _drop_traceback(exc: BaseException | None) -> None:
+    """Clear the traceback of ``exc`` and of the exceptions it was raised from (its frames, their locals)."""
+    for _ in range(_CHAIN_LIMIT):
+        if exc is None:
+            return
+        exc.__traceback__ = None
+        exc = exc.__cause__ or exc.__context__
+
+
+def _drop_task_traceback(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        _drop_traceback(task.exception())
+
+
+async def _gather(awaitables: Sequence[Awaitable[Any]]) -> list[Any]:
+    """``asyncio.gather``, whose requests that fail (even after the first failure) keep none of their buffers."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    for task in tasks:
+        task.add_done_callback(_drop_task_traceback)
+    return await asyncio.gather(*tasks)
 
 
 # ucxx's handshake posts a stream receive into a buffer of its own and, when its own

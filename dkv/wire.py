@@ -9,13 +9,22 @@ through msgpack: after a ``read`` reply the node sends each block as its own
 UCX message straight from its arena slot, and after a ``write`` reply the
 client sends each accepted block the same way into the slot the node reserved.
 
-Handshake::
+Handshake (mutual: each side proves the credential over the other's nonce)::
 
-    node   → client   {"t": "challenge", "v": 1, "nonce": <16 bytes>, "node": id}
-    client → node     {"op": "hello", "v": 1, "ns": namespace, "client": id,
-                       "proof": hmac_sha256(token, nonce + ns) | None, "host": host id}
+    node   → client   {"t": "challenge", "v": 2, "nonce": <16 bytes>, "node": id,
+                       "local": path of a tokenless node's credential file | None}
+    client → node     {"op": "hello", "v": 2, "ns": namespace, "client": id,
+                       "tenant": tenant name | None (None: the cluster credential),
+                       "cnonce": <16 bytes>, "proof": client_proof(...) | None, "host": host id}
     node   → client   {"ok": true, "node": id, "epoch": str, "host": host id,
-                       "arena": {"name", "size"} | None, "limits": {...}}
+                       "proof": node_proof(...), "limits": {...},
+                       "shm": {"socket", "ticket", "access"} | None}
+
+``shm`` is offered only to a client on the node's host: redeeming the
+one-time ``ticket`` on the node's Unix socket (:mod:`dkv.handover`) hands
+over the client's own namespace segment by file descriptor, read-only for a
+read-only credential, and only then may the connection use ``shm`` reads and
+writes.
 
 Ops after the handshake (each answered by ``{"ok": true, ...}`` or
 ``{"ok": false, "code": str, "msg": str}``): ``lookup``, ``probe``, ``read``,
@@ -29,6 +38,20 @@ listener path that is when the node's sends finish; on the same-host path
 copies out of the mapped arena and then sends ``{"op": "done", "read": id}``,
 answered ``{"intact": bool}``: False when the read's pins had already ended
 (read TTL, or a reconnect), so the copy may be torn and must be discarded.
+
+Block checksums (:mod:`dkv.checksum`): ``write`` may carry ``"sums"``, one
+16-byte checksum per key (absent from a client that sends none: such blocks
+are stored without one). Before the reserved blocks become visible the node
+checks each declared checksum against the bytes now in its slot (unless it
+runs with ``--no-verify-writes``); a block that does not match is not
+committed, and the commit reply (of ``commit``, or the listener path's final
+reply to ``write``) says ``{"committed": n, "rejected": m}``. Every ``read``
+reply (both paths) carries ``"sums"``: per block its checksum, or ``None``
+for a block stored without one; the client checks the bytes it received.
+
+Optional fields: a schema may mark a field :func:`optional`; it may then be
+absent, and is validated like any other field when present. Every other
+field is required.
 """
 
 from __future__ import annotations
@@ -41,10 +64,11 @@ from typing import Any
 
 import msgpack
 
+from dkv.checksum import is_checksum
 from dkv.errors import FrameTooLarge, ProtocolError
 from dkv.keys import HASH_LENGTHS, MAX_LEAF_ID_LENGTH, MAX_TP_SHARDS, check_namespace
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAGIC = b"dKV\x01"
 HEADER = struct.Struct("<4sHHII")  # magic, protocol version, flags, body length, reserved
 HEADER_SIZE = HEADER.size
@@ -95,18 +119,21 @@ def decode_body(raw: bytes | bytearray | memoryview) -> dict[str, Any]:
     return message
 
 
-def token_proof(token: bytes | None, nonce: bytes, namespace: str) -> bytes | None:
-    """HMAC-SHA256 over the node's nonce and the namespace; ``None`` without a token."""
-    if token is None:
+def client_proof(secret: bytes | None, nonce: bytes, cnonce: bytes, namespace: str, tenant: str | None) -> bytes | None:
+    """The client's HMAC-SHA256 over both nonces, the namespace and the tenant; ``None`` without a secret."""
+    if secret is None:
         return None
-    return hmac.new(token, nonce + namespace.encode(), hashlib.sha256).digest()
+    message = b"dkv2-client\0" + nonce + cnonce + namespace.encode() + b"\0" + (tenant or "").encode()
+    return hmac.new(secret, message, hashlib.sha256).digest()
 
 
-def proof_matches(token: bytes | None, nonce: bytes, namespace: str, proof: object) -> bool:
-    """True when the node needs no token, or ``proof`` is the right HMAC (constant time)."""
-    if token is None:
-        return True
-    expected = token_proof(token, nonce, namespace)
+def node_proof(secret: bytes, nonce: bytes, cnonce: bytes, node_id: str) -> bytes:
+    """The node's HMAC-SHA256 over both nonces and its id: proves to the client that it holds the credential too."""
+    return hmac.new(secret, b"dkv2-node\0" + cnonce + nonce + node_id.encode(), hashlib.sha256).digest()
+
+
+def proof_equals(expected: bytes | None, proof: object) -> bool:
+    """Constant-time comparison of a received proof with the expected one."""
     return isinstance(proof, bytes) and expected is not None and hmac.compare_digest(expected, proof)
 
 
@@ -146,6 +173,27 @@ def _sizes(v: object) -> bool:
     return isinstance(v, list) and len(v) <= MAX_KEYS and all(_int(0, 2**40)(x) for x in v)
 
 
+def _sums(v: object) -> bool:
+    return isinstance(v, list) and len(v) <= MAX_KEYS and all(is_checksum(x) for x in v)
+
+
+class _Optional:
+    """A schema field that may be absent (see :func:`optional`); validated like any other when present."""
+
+    __slots__ = ("valid",)
+
+    def __init__(self, valid: Callable[[object], bool]) -> None:
+        self.valid = valid
+
+    def __call__(self, value: object) -> bool:
+        return self.valid(value)
+
+
+def optional(valid: Callable[[object], bool]) -> Callable[[object], bool]:
+    """Mark a schema field optional: absent is accepted, present must pass ``valid``."""
+    return _Optional(valid)
+
+
 def _namespace(v: object) -> bool:
     try:
         check_namespace(v)
@@ -163,12 +211,13 @@ _short_str = lambda v: isinstance(v, str) and 0 < len(v) <= 256  # noqa: E731
 _PRESENCE = {"hashes": _hashes, "leaves": _leaves, "shards": _is_shards}
 SCHEMAS: dict[str, dict[str, Callable[[object], bool]]] = {
     "hello": {"v": _int(0, 1 << 16), "ns": _namespace, "client": _short_str, "proof": _optional_bytes,
-              "host": _short_str},
+              "host": _short_str, "cnonce": lambda v: isinstance(v, bytes) and len(v) == NONCE_SIZE,
+              "tenant": lambda v: v is None or (isinstance(v, str) and 0 < len(v) <= 64)},
     "lookup": {**_PRESENCE, "lease": _is_bool, "group": _int(0, 1 << 20)},
     "probe": _PRESENCE,
     "touch": _PRESENCE,
     "read": {"lease": _is_id, "keys": _keys, "end": _is_bool, "shm": _is_bool},
-    "write": {"keys": _keys, "sizes": _sizes, "shm": _is_bool},
+    "write": {"keys": _keys, "sizes": _sizes, "shm": _is_bool, "sums": optional(_sums)},
     "commit": {"write": _is_id},
     "abort": {"write": _is_id},
     "release": {"lease": _is_id},
@@ -186,6 +235,8 @@ def check_request(message: dict[str, Any]) -> str:
         raise ProtocolError(f"unknown op {op!r}")
     for name, valid in schema.items():
         if name not in message:
+            if isinstance(valid, _Optional):
+                continue
             raise ProtocolError(f"{op}: missing field {name!r}")
         if not valid(message[name]):
             raise ProtocolError(f"{op}: field {name!r} is malformed or out of bounds")

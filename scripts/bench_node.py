@@ -18,6 +18,13 @@ For each block size this measures, in one run and on one machine:
                  request to the last payload received.
 * ``local``    - :class:`dkv.client.NodeClient` with ``local=True`` (same-host shared memory).
 * ``listener`` - :class:`dkv.client.NodeClient` with ``local=False`` (bytes as UCX messages).
+* ``local_nosum``, ``listener_nosum`` - the same two clients with ``checksums=False``: no
+                 end-to-end block checksums (:mod:`dkv.checksum`; the node then has none to
+                 verify). ``local``/``listener`` run with checksums on, the default, so
+                 ``on / off`` is what the checksums cost each path.
+* ``xxh3``     - the hash alone: ``xxhash.xxh3_128_digest`` of every source block (the same
+                 buffers memcpy copies), and ``block_checksum`` (xxh3-128 with the key prefix,
+                 what the clients and the node compute).
 
 ``put`` is one ``write()`` of all blocks under fresh random 32-byte hashes (the namespace is
 cleared, untimed, before each one so nothing is "exists" and nothing is evicted); ``read``
@@ -77,6 +84,7 @@ RAW_IDLE_TIMEOUT = 600.0
 GOAL_LOCAL_READ_VS_MEMCPY = 0.5
 GOAL_LISTENER_VS_RAW = 0.8
 PROGRESS_MODE = os.environ.get("DKV_UCX_PROGRESS", "thread")
+DKV_PATHS = ("local", "listener", "local_nosum", "listener_nosum")  # *_nosum: checksums=False
 
 
 class BenchError(RuntimeError):
@@ -289,6 +297,23 @@ def memcpy_once(src: Blocks, dst: Blocks) -> float:
     return time.perf_counter() - t0
 
 
+def hash_once(src: Blocks) -> tuple[float, float]:
+    """Seconds to hash every block: raw ``xxh3_128_digest``, then ``block_checksum`` (with the key prefix)."""
+    import xxhash
+
+    from dkv.checksum import block_checksum
+
+    t0 = time.perf_counter()
+    for b in src.blocks:
+        xxhash.xxh3_128_digest(b)
+    raw_s = time.perf_counter() - t0
+    h = b"\x00" * 32
+    t0 = time.perf_counter()
+    for b in src.blocks:
+        block_checksum(LEAF, 0, h, b)
+    return raw_s, time.perf_counter() - t0
+
+
 async def raw_once(conn: Connection, src: Blocks, dst: Blocks) -> tuple[float, float, bool]:
     """Raw put then raw read (the read sends back what the put delivered); seconds and bit-exactness."""
     put_s = await _raw_put(conn, src)
@@ -401,28 +426,31 @@ async def run_all(procs: Processes, sizes: list[int], blocks: int, runs: int, wa
         log(f"starting the node (pool {format_size(pool)})")
         procs.node = start_node(pool=str(pool), listen="127.0.0.1:0", workdir=procs.workdir / "node",
                                 exit_with_parent=True)
-        for name in ("local", "listener"):
-            client = NodeClient(procs.node.address, NAMESPACE, local=name == "local", timeout=OP_TIMEOUT,
-                                pool_size=1, retries=1)
+        for name in DKV_PATHS:
+            local = name.startswith("local")
+            client = NodeClient(procs.node.address, NAMESPACE, local=local, timeout=OP_TIMEOUT,
+                                pool_size=1, retries=1, checksums=not name.endswith("_nosum"))
             clients[name] = client
             await client.connect()
-            if client.uses_shared_memory != (name == "local"):
-                raise BenchError(f"the {name} client did not get the {name} path")
+            if client.uses_shared_memory != local:
+                raise BenchError(f"the {name} client did not get the {'local' if local else 'listener'} path")
 
         for size in sizes:
             log(f"{format_size(size)} x {blocks}: {warmup} warm-up + {runs} rounds")
             src, dst = Blocks(blocks, size), Blocks(blocks, size)
             src.fill_random(seed=size)
             samples: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
-            verified = {"raw_ucxx": True, "local": True, "listener": True}
+            verified = {"raw_ucxx": True, **{name: True for name in DKV_PATHS}}
             for round_no in range(warmup + runs):
                 timed = round_no >= warmup
                 procs.only()
                 copy_s = memcpy_once(src, dst)
+                xxh3_s, checksum_s = hash_once(src)
                 procs.only("raw")
                 raw_put, raw_read, ok = await raw_once(raw, src, dst)
                 verified["raw_ucxx"] &= ok
-                measured = {("memcpy", "copy"): copy_s, ("raw_ucxx", "put"): raw_put, ("raw_ucxx", "read"): raw_read}
+                measured = {("memcpy", "copy"): copy_s, ("raw_ucxx", "put"): raw_put, ("raw_ucxx", "read"): raw_read,
+                            ("xxh3", "raw"): xxh3_s, ("xxh3", "block_checksum"): checksum_s}
                 procs.only("node")
                 for name, client in clients.items():
                     put_s, read_s, ok = await dkv_once(client, src, dst)
@@ -440,6 +468,8 @@ async def run_all(procs: Processes, sizes: list[int], blocks: int, runs: int, wa
                 entry[path]["verified"] = ok
             entry["ratios"] = _ratios(entry)
             entry["ratios_median"] = _ratios(entry, "median")
+            entry["checksum_ratios"] = _checksum_ratios(entry)
+            entry["checksum_ratios_median"] = _checksum_ratios(entry, "median")
             results.append(entry)
             del src, dst
         procs.only("raw", "node")
@@ -511,6 +541,16 @@ def _ratios(entry: dict[str, Any], stat: str = "best") -> dict[str, float]:
     }
 
 
+def _checksum_ratios(entry: dict[str, Any], stat: str = "best") -> dict[str, float]:
+    """Checksums on / off throughput per path and op, and the hash's throughput over memcpy's."""
+    rate = lambda path, op: entry[path][op][stat]  # noqa: E731
+    ratios = {f"{path}_{op}_on_vs_off": rate(path, op) / rate(f"{path}_nosum", op)
+              for path in ("local", "listener") for op in ("put", "read")}
+    ratios["xxh3_vs_memcpy"] = rate("xxh3", "raw") / rate("memcpy", "copy")
+    ratios["block_checksum_vs_memcpy"] = rate("xxh3", "block_checksum") / rate("memcpy", "copy")
+    return ratios
+
+
 def _goals(entry: dict[str, Any]) -> dict[str, bool]:
     r = entry["ratios"]
     return {
@@ -547,13 +587,30 @@ def print_report(results: list[dict[str, Any]], runs: int, warmup: int, blocks: 
         for e in results:
             g = lambda path, op: f"{e[path][op][stat]:.2f}"  # noqa: E731
             r = _ratios(e, stat)
-            ok = all(e[p]["verified"] for p in ("raw_ucxx", "local", "listener"))
+            ok = all(e[p]["verified"] for p in ("raw_ucxx", *DKV_PATHS))
             table.add_row(e["size_label"], g("memcpy", "copy"), g("raw_ucxx", "put"), g("raw_ucxx", "read"),
                           g("local", "put"), g("local", "read"), g("listener", "put"), g("listener", "read"),
                           ratio_cell(r["local_read_vs_memcpy"], GOAL_LOCAL_READ_VS_MEMCPY),
                           ratio_cell(r["listener_read_vs_raw_ucxx"], GOAL_LISTENER_VS_RAW),
                           ratio_cell(r["listener_put_vs_raw_ucxx"], GOAL_LISTENER_VS_RAW),
                           ratio_cell(r["local_put_vs_memcpy"], None), "[green]yes[/]" if ok else "[bold red]NO[/]")
+        console.print(table)
+
+    for stat in ("best", "median"):
+        table = Table(title=f"End-to-end block checksums: throughput with them on / off, GB/s ({stat}); "
+                            "the hash alone beside memcpy on the same buffers")
+        for col in ("block", "local put\non / off", "local read\non / off", "listener put\non / off",
+                    "listener read\non / off", "memcpy", "xxh3_128", "xxh3\n/ memcpy", "block_checksum",
+                    "block_checksum\n/ memcpy"):
+            table.add_column(col, justify="right")
+        for e in results:
+            g = lambda path, op: e[path][op][stat]  # noqa: E731
+            r = _checksum_ratios(e, stat)
+            pair = lambda path, op: f"{g(path, op):.2f} / {g(path + '_nosum', op):.2f} ({r[f'{path}_{op}_on_vs_off']:.0%})"  # noqa: E731
+            table.add_row(e["size_label"], pair("local", "put"), pair("local", "read"), pair("listener", "put"),
+                          pair("listener", "read"), f"{g('memcpy', 'copy'):.2f}", f"{g('xxh3', 'raw'):.2f}",
+                          f"{r['xxh3_vs_memcpy']:.0%}", f"{g('xxh3', 'block_checksum'):.2f}",
+                          f"{r['block_checksum_vs_memcpy']:.0%}")
         console.print(table)
 
     console.print(
@@ -637,7 +694,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             procs.stop_all()
 
     print_report(results, args.repeat, args.warmup, args.blocks, load_start[0])
-    verified = all(e[p]["verified"] for e in results for p in ("raw_ucxx", "local", "listener"))
+    verified = all(e[p]["verified"] for e in results for p in ("raw_ucxx", *DKV_PATHS))
     if args.json is not None:
         for e in results:
             e["goals_met"] = _goals(e)
@@ -646,6 +703,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "config": {"sizes": args.size_list, "blocks": args.blocks, "repeat": args.repeat, "warmup": args.warmup,
                        "pool_bytes": pool, "unit": "GB/s (1e9 bytes/s) of block payload",
                        "read_timing": "leased lookup + read", "put_timing": "one write() call",
+                       "checksums": "local/listener: on (default); *_nosum: off; xxh3: the hash alone",
                        "raw_ucxx": {"put": "client->server, posting sends to framed ack",
                                     "read": "server->client, framed request to last payload"}},
             "goals": {"local_read_vs_memcpy": GOAL_LOCAL_READ_VS_MEMCPY,

@@ -5,8 +5,9 @@ Usage::
 
     python scripts/device_check.py [--device cuda] [--blocks 64] [--page 256KiB] [--rounds 5] [--json out.json]
 
-1. A node (``dkv serve``, a real process, stopped by PID at the end). With ``--device cuda`` its stats
-   must say its arena is pinned (registered with CUDA).
+1. A node (``dkv serve``, a real process, stopped by PID at the end). Its namespace segments are not
+   registered with CUDA (they are sparse, per namespace): the connector copies through its own pinned
+   staging, which is what this check exercises.
 2. For each path, same-host (shared memory) and listener (UCX): a DKVConnector over device tensors
    ``[pages, page]`` on ``--device``. Random rows are written on the device, offloaded (device-to-host
    into pinned staging on the copy stream), looked up, and loaded into other rows (pinned staging,
@@ -39,7 +40,6 @@ from bench_common import machine_info  # noqa: E402
 from cluster.process import start_node  # noqa: E402
 from connector.dkv_connector import DKVConnector  # noqa: E402
 from connector.types import full_attention  # noqa: E402
-from dkv.client import NodeClient  # noqa: E402
 from dkv.loop_thread import acquire_shared_loop, release_shared_loop  # noqa: E402
 from dkv.units import format_size, parse_size  # noqa: E402
 
@@ -115,15 +115,10 @@ def main() -> int:
     device, page = torch.device(args.device), parse_size(args.page)
     pool = 4 * args.blocks * page + (64 << 20)
     node = start_node(pool=str(pool), exit_with_parent=True)
-    loop = acquire_shared_loop()
+    acquire_shared_loop()  # one UCX loop for both paths
     try:
-        client = NodeClient(node.address, "check/stats")
-        try:
-            pinned = bool(loop.run(client.stats(), WAIT)["host"]["pinned"])
-        finally:
-            loop.run(client.close(), WAIT)
         results = [check_path(node.address, local, device, args.blocks, page, args.rounds) for local in (True, False)]
-        doc = {"device": str(device), "blocks": args.blocks, "page": page, "arena_pinned": pinned,
+        doc = {"device": str(device), "blocks": args.blocks, "page": page,
                "paths": results, "torch_copy": torch_copy_rates(device, args.blocks * page, args.rounds),
                "machine": machine_info()}
         if device.type == "cuda":
@@ -134,7 +129,7 @@ def main() -> int:
     finally:
         release_shared_loop()
         node.stop()
-    print(f"{args.blocks} x {format_size(page)} on {doc['device']}; node arena pinned: {pinned}")
+    print(f"{args.blocks} x {format_size(page)} on {doc['device']}")
     for r in results:
         print(f"  {r['path']:>9}: bit-exact {r['bit_exact']}, offload {r['offload_gbps']:.2f} GB/s, "
               f"load {r['load_gbps']:.2f} GB/s")
@@ -142,7 +137,7 @@ def main() -> int:
     print(f"  torch copy baseline: device->host {copy['d2h_gbps']:.2f} GB/s, host->device {copy['h2d_gbps']:.2f} GB/s")
     if args.json:
         args.json.write_text(json.dumps(doc, indent=2))
-    ok = all(r["bit_exact"] for r in results) and (pinned or device.type != "cuda")
+    ok = all(r["bit_exact"] for r in results)
     return 0 if ok else 1
 
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import gc
 import inspect
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -190,6 +193,27 @@ async def node_factory(tmp_path: Path) -> AsyncIterator[Callable[..., NodeProces
             node.stop()
     leftovers = {n.shm_name for n in started} & _dkv_shm()
     assert not leftovers, f"arena files left behind: {leftovers}"
+
+
+@contextmanager
+def run_impostor(workdir: Path, block_size: int, node_id: str = "evil") -> Iterator[dict[str, Any]]:
+    """Run ``tests/dkv/impostor_node.py`` (speaks the wire, knows no credential, serves 0x66 bytes); yields its ready info."""
+    ready = workdir / f"{node_id}.ready"
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "dkv" / "impostor_node.py"), node_id,
+                             str(block_size), str(ready)])
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the impostor did not start"
+            time.sleep(0.05)
+        yield json.loads(ready.read_text())
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
 
 
 @pytest.fixture

@@ -19,10 +19,10 @@ async def main(address: str, local: bool, hashes: list[bytes]) -> None:
     await client.connect()
     session = await client._open_session()  # a raw session: we stop half-way on purpose
     keys = [["L", 0, h] for h in hashes]
-    shm = client.uses_shared_memory
+    shm = session.mapping is not None
     reply = await session.request({"op": "write", "keys": keys, "sizes": [SIZE] * len(keys), "shm": shm}, 10)
     if shm:
-        client._arena().slot(reply["offsets"][0], SIZE)[:] = b"\x01" * SIZE  # first block only, no commit
+        session.mapping.slot(reply["offsets"][0], SIZE)[:] = b"\x01" * SIZE  # first block only, no commit
     else:
         await session.conn._ep.send(bytearray(b"\x01" * SIZE))  # first payload only
     print("reserved", flush=True)

@@ -34,7 +34,8 @@ async def test_the_node_announces_max_leaves_beside_max_keys_and_max_frame(node,
     assert client.limit("max_leaves") == MAX_LEAVES
 
 
-async def test_probe_of_more_hashes_than_max_keys_is_split(node, clients) -> None:
+async def test_probe_of_more_hashes_than_max_keys_is_split(node_factory, clients) -> None:
+    node = node_factory("--max-cost", str(OVER))  # max_keys is what splits here (max_cost: test_node_exhaustion)
     client = clients(node.address)
     hashes = _hashes(OVER)
     held = [0, MAX_KEYS - 1, MAX_KEYS, OVER - 1]  # both sides of the split
@@ -81,7 +82,8 @@ async def test_unleased_lookup_of_more_hashes_than_max_keys_is_split(node, clien
     assert [i for i, present in enumerate(found.masks["L"]) if present] == [OVER - 1]
 
 
-async def test_touch_of_more_hashes_than_max_keys_is_split(node, clients) -> None:
+async def test_touch_of_more_hashes_than_max_keys_is_split(node_factory, clients) -> None:
+    node = node_factory("--max-cost", str(OVER))  # max_keys is what splits here (max_cost: test_node_exhaustion)
     client = clients(node.address)
     hashes = _hashes(OVER)
     held = [0, MAX_KEYS, OVER - 1]

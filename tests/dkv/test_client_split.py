@@ -16,7 +16,11 @@ LEAVES = ["a", "b"]
 SHARDS = 2
 
 
-async def test_read_and_write_of_more_keys_than_max_keys_are_split_not_refused(node, clients) -> None:
+async def test_read_and_write_of_more_keys_than_max_keys_are_split_not_refused(node_factory, clients) -> None:
+    # 68 000 blocks, each run up to 65 536 keys: past a 64 MiB pool's default block bound (16 384) and a
+    # connection's share of reserved keys (an eighth of it), so the node is given room for them
+    # and a max_cost that takes its leased lookup (one request: 17 000 hashes x 2 leaves x 2 shards) whole
+    node = node_factory("--max-blocks", str(8 * 65_536), "--max-cost", str(68_000))
     client = clients(node.address, timeout=60.0)
     hashes = [os.urandom(8) for _ in range(17_000)]  # 2 leaves x 2 shards: 68 000 keys
     keys = [BlockKey(leaf, shard, h) for leaf in LEAVES for shard in range(SHARDS) for h in hashes]

@@ -8,6 +8,7 @@ import pytest
 
 from dkv.errors import AuthError, DKVError, TransportError
 from dkv.keys import BlockKey
+from dkv.client import handshake as handshake_as_client
 from dkv.transport import connect
 from dkv.units import parse_address
 from tests.conftest import OnUcx, on_ucx
@@ -32,11 +33,7 @@ async def _raw_session(address: str, namespace: str = "test/ns0"):
 
     async def handshake():
         conn = await connect(*parse_address(address))
-        challenge = await conn.recv_message()
-        assert challenge["t"] == "challenge"
-        await conn.send_message({"op": "hello", "v": PROTOCOL_VERSION, "ns": namespace, "client": "raw",
-                                 "proof": None, "host": "elsewhere"})
-        assert (await conn.recv_message())["ok"] is True
+        await handshake_as_client(conn, namespace, host="elsewhere")  # the tokenless node's local credential
         return conn
 
     return OnUcx(await on_ucx(handshake()))

@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
-from dkv.arena import ArenaInfo, open_mapping
+from dkv.arena import SegmentMapping
+from dkv.client import handshake as handshake_as_client
 from dkv.errors import ReadNotIntact
-from dkv.hostid import host_id
+from dkv.handover import redeem
 from dkv.keys import BlockKey
 from dkv.transport import connect
 from dkv.units import parse_address
-from dkv.wire import PROTOCOL_VERSION
 from tests.conftest import NAMESPACE, OnUcx, on_ucx
 
 BLOCK = 4 * 2**20
@@ -34,15 +34,20 @@ async def _raw_session(address: str, client: str) -> tuple[Any, dict[str, Any]]:
 
     async def handshake() -> tuple[Any, dict[str, Any]]:
         conn = await connect(*parse_address(address))
-        assert (await conn.recv_message())["t"] == "challenge"
-        await conn.send_message({"op": "hello", "v": PROTOCOL_VERSION, "ns": NAMESPACE, "client": client,
-                                 "proof": None, "host": host_id()})
-        reply = await conn.recv_message()
-        assert reply["ok"] is True
+        reply = await handshake_as_client(conn, NAMESPACE, client_id=client)  # the tokenless node's local credential
         return conn, reply
 
     conn, reply = await on_ucx(handshake())
     return OnUcx(conn), reply
+
+
+async def _segment(hello: dict[str, Any]) -> SegmentMapping:
+    """Redeem a raw session's ticket for its namespace's segment, as a same-host client does."""
+    fd = await redeem(hello["shm"]["socket"], hello["shm"]["ticket"])
+    try:
+        return SegmentMapping(fd, os.fstat(fd).st_size, writable=hello["shm"]["access"] == "write")
+    finally:
+        os.close(fd)
 
 
 async def _request(conn: Any, message: dict[str, Any]) -> dict[str, Any]:
@@ -60,14 +65,16 @@ async def _stored_blocks(writer: Any) -> tuple[list[bytes], list[bytes]]:
     return hashes, data
 
 
-async def _start_read(node_address: str, hashes: list[bytes], *, shm: bool) -> tuple[Any, dict, dict]:
+async def _start_read(node_address: str, hashes: list[bytes], *, shm: bool) -> tuple[Any, Any, dict]:
+    """A raw reader's read in flight; returns the reader, its segment mapping (same-host path) and the reply."""
     reader, hello = await _raw_session(node_address, client="reader")
+    mapping = await on_ucx(_segment(hello)) if shm else None  # the same-host path needs the handed segment
     found = await _request(reader, {"op": "lookup", "hashes": hashes, "leaves": ["L"], "shards": 1,
                                     "lease": True, "group": 0})
     assert found["masks"]["L"] == b"\x01" * HELD
     reply = await _request(reader, {"op": "read", "lease": found["lease"], "keys": [["L", 0, h] for h in hashes],
                                     "end": False, "shm": shm})
-    return reader, hello, reply
+    return reader, mapping, reply
 
 
 async def _end_lease_and_refill(node_address: str, writer: Any) -> list[str]:
@@ -98,10 +105,8 @@ async def test_same_host_read_keeps_its_bytes_until_done_whatever_its_lease_does
     node = node_factory("--pool", POOL)
     writer = clients(node.address, local=False)
     hashes, data = await _stored_blocks(writer)
-    reader, hello, reply = await _start_read(node.address, hashes, shm=True)
+    reader, mapping, reply = await _start_read(node.address, hashes, shm=True)
     await _end_lease_and_refill(node.address, writer)
-    mapping = open_mapping(ArenaInfo(hello["arena"]["name"], int(hello["arena"]["size"])))
-    assert mapping is not None, "the test runs on the node's host"
     try:
         copied = [bytes(mapping.slot(off, size)) for off, size in zip(reply["offsets"], reply["sizes"])]
     finally:
@@ -120,7 +125,7 @@ async def test_same_host_copy_that_outlives_its_read_is_failed_not_delivered(nod
     reader = clients(node.address, local=True)
     found = await reader.lookup(hashes, ["L"])
     assert reader.uses_shared_memory
-    mapping = reader._target._arena()  # noqa: SLF001 - slow the copy down past the read's TTL
+    mapping = reader._target._mapping  # noqa: SLF001 - slow the copy down past the read's TTL
     real_slot = mapping.slot
     calls = []
 

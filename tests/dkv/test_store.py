@@ -26,7 +26,7 @@ def keys(hashes: list[bytes], leaf: str = "L", shard: int = 0) -> list[StoreKey]
 def put(store: Store, ks: list[StoreKey], size: int = BLOCK, owner: str = "w") -> list[str]:
     res, statuses = store.reserve(owner, ks, [size] * len(ks))
     for k, off, n in zip(res.keys, res.offsets, res.sizes):
-        store.arena.slot(off, n)[:] = bytes([k.hash[-1]]) * n
+        store.arena.slot(k.namespace, off, n)[:] = bytes([k.hash[-1]]) * n
     store.commit(res.write_id, owner)
     return statuses
 

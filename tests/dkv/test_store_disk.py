@@ -97,7 +97,7 @@ def fill(key: StoreKey) -> bytes:
 def put(store: Store, ks: list[StoreKey]) -> list[str]:
     res, statuses = store.reserve("w", ks, [BLOCK] * len(ks))
     for k, off, n in zip(res.keys, res.offsets, res.sizes):
-        store.arena.slot(off, n)[:] = fill(k)
+        store.arena.slot(k.namespace, off, n)[:] = fill(k)
     store.commit(res.write_id, "w")
     return statuses
 
@@ -146,7 +146,7 @@ def assert_bytes(store: Store, lease: Any, ks: list[StoreKey]) -> None:
     read = store.begin_read(lease.lease_id, "c", ks)
     try:
         for key, plan in zip(ks, read.slots):
-            assert bytes(store.arena.slot(plan.offset, plan.size)) == fill(key)
+            assert bytes(store.arena.slot(key.namespace, plan.offset, plan.size)) == fill(key)
     finally:
         store.end_read(read.read_id)
         store.end_lease(lease.lease_id)
@@ -167,7 +167,7 @@ def assert_no_leaks(store: Store) -> None:
     assert not store.reservations and not store.reserved_keys
     assert pins(store) == 0
     host = [b for b in store.blocks.values() if b.on_host]
-    assert store.arena.allocator.used == sum(align_up(b.size) for b in host if b.size)
+    assert store.arena.used == sum(align_up(b.size) for b in host if b.size)
     if store.disk is not None and store.staging_usage() == (0, 0):
         off_host = {b.key for b in store.blocks.values() if not b.on_host}
         assert off_host == {k for k in off_host if k in store.disk}, "an off-host block is neither staged nor on disk"

@@ -20,7 +20,7 @@ def _fill_with_other_writes(store: Store, n: int = 8) -> list[str]:
 
 
 def _slot_bytes(store: Store, plan) -> bytes:
-    return bytes(store.arena.slot(plan.offset, plan.size))
+    return bytes(store.arena.slot(NS, plan.offset, plan.size))
 
 
 def test_next_lookup_of_the_same_group_cannot_let_a_read_be_overwritten(store: Store) -> None:
@@ -115,7 +115,7 @@ def test_recency_heap_does_not_grow_with_every_read_served(store: Store) -> None
         assert lease is not None
         store.end_read(store.begin_read(lease.lease_id, "c", held).read_id)
         store.end_lease(lease.lease_id)
-    assert len(store._heap) <= 2 * len(store.blocks) + HEAP_SLACK + 1  # noqa: SLF001
+    assert store.recency_entries() <= 2 * len(store.blocks) + HEAP_SLACK + 1
 
 
 def test_expiry_book_holds_only_what_may_still_expire(store: Store, clock: Clock) -> None:
@@ -146,4 +146,4 @@ def test_pinned_block_count_is_kept_as_pins_change(store: Store) -> None:
 
 
 def test_block_size_constant_is_a_page(store: Store) -> None:
-    assert BLOCK == store.arena.allocator.capacity // 8
+    assert BLOCK == store.arena.capacity // 8

@@ -16,8 +16,9 @@ from dkv.wire import (
     decode_header,
     encode_body,
     encode_header,
-    proof_matches,
-    token_proof,
+    client_proof,
+    node_proof,
+    proof_equals,
 )
 
 
@@ -73,11 +74,22 @@ def test_malformed_requests_are_refused(message: dict) -> None:
         check_request(message)
 
 
-def test_token_proof_is_bound_to_nonce_and_namespace() -> None:
-    proof = token_proof(b"secret-token-123456", b"n" * 16, "a/b")
-    assert proof_matches(b"secret-token-123456", b"n" * 16, "a/b", proof)
-    assert not proof_matches(b"secret-token-123456", b"m" * 16, "a/b", proof)
-    assert not proof_matches(b"secret-token-123456", b"n" * 16, "a/c", proof)
-    assert not proof_matches(b"other-token-1234567", b"n" * 16, "a/b", proof)
-    assert not proof_matches(b"secret-token-123456", b"n" * 16, "a/b", None)
-    assert proof_matches(None, b"n" * 16, "a/b", None)
+def test_client_proof_is_bound_to_both_nonces_the_namespace_and_the_tenant() -> None:
+    secret = b"secret-token-123456"
+    proof = client_proof(secret, b"n" * 16, b"c" * 16, "a/b", None)
+    assert proof_equals(client_proof(secret, b"n" * 16, b"c" * 16, "a/b", None), proof)
+    for other in (client_proof(secret, b"m" * 16, b"c" * 16, "a/b", None),
+                  client_proof(secret, b"n" * 16, b"d" * 16, "a/b", None),
+                  client_proof(secret, b"n" * 16, b"c" * 16, "a/c", None),
+                  client_proof(secret, b"n" * 16, b"c" * 16, "a/b", "acme"),
+                  client_proof(b"other-token-1234567", b"n" * 16, b"c" * 16, "a/b", None)):
+        assert not proof_equals(other, proof)
+    assert not proof_equals(proof, None)
+    assert client_proof(None, b"n" * 16, b"c" * 16, "a/b", None) is None
+
+
+def test_node_proof_differs_from_the_client_proof_and_names_the_node() -> None:
+    secret = b"secret-token-123456"
+    proof = node_proof(secret, b"n" * 16, b"c" * 16, "node-a")
+    assert proof != node_proof(secret, b"n" * 16, b"c" * 16, "node-b")
+    assert proof != client_proof(secret, b"n" * 16, b"c" * 16, "node-a", None), "a reflected proof is no proof"

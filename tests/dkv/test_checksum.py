@@ -1,0 +1,90 @@
+"""Block checksums: bound to the block's identity, deterministic, and sensitive to every byte."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from dkv.checksum import CHECKSUM_SIZE, block_checksum, verify
+from dkv.errors import ProtocolError
+from dkv.wire import check_request
+
+H8, H32 = os.urandom(8), os.urandom(32)
+DATA = os.urandom(65536)
+
+
+def test_same_block_same_checksum_whatever_the_buffer_type() -> None:
+    want = block_checksum("L", 0, H32, DATA)
+    assert isinstance(want, bytes) and len(want) == CHECKSUM_SIZE
+    as_numpy = np.frombuffer(DATA, dtype=np.uint8).copy()
+    assert block_checksum("L", 0, H32, bytearray(DATA)) == want
+    assert block_checksum("L", 0, H32, memoryview(DATA)) == want
+    assert block_checksum("L", 0, H32, as_numpy) == want
+    assert block_checksum("L", 0, H32, torch.from_numpy(as_numpy).numpy()) == want
+    assert block_checksum("L", 0, H32, as_numpy.view(np.uint64)) == want  # wide words: the same bytes
+    assert block_checksum("L", 0, H32, as_numpy.reshape(16, -1)) == want  # rows of a 2-D page table
+
+
+@pytest.mark.parametrize("other", [("M", 0, H32), ("L", 1, H32), ("L", 0, os.urandom(32)), ("L", 0, H32[:8]),
+                                   ("LL", 0, H32), ("", 0, H32)])
+def test_the_same_bytes_under_another_key_do_not_verify(other: tuple[str, int, bytes]) -> None:
+    checksum = block_checksum("L", 0, H32, DATA)
+    assert block_checksum(*other, DATA) != checksum
+    assert not verify(*other, DATA, checksum)
+
+
+def test_the_prefix_is_self_delimiting() -> None:
+    """A key's bytes cannot slide into the data (or the data's into the key) and hash the same."""
+    assert block_checksum("La", 0, H8, b"bc") != block_checksum("L", 0, H8, b"abc")
+    assert block_checksum("L", 0, H8, H32 + b"x") != block_checksum("L", 0, H8 + H32[:24], H32[24:] + b"x")
+
+
+def test_every_bit_flip_truncation_and_extension_is_detected() -> None:
+    checksum = block_checksum("L", 3, H8, DATA)
+    assert verify("L", 3, H8, DATA, checksum)
+    data = bytearray(DATA)
+    for position in (0, 1, 4095, 4096, 32768, len(DATA) - 1):
+        for bit in (0, 7):
+            data[position] ^= 1 << bit
+            assert not verify("L", 3, H8, data, checksum), (position, bit)
+            data[position] ^= 1 << bit
+    assert verify("L", 3, H8, data, checksum)
+    assert not verify("L", 3, H8, DATA[:-1], checksum)
+    assert not verify("L", 3, H8, DATA + b"\0", checksum)
+    assert not verify("L", 3, H8, bytes(len(DATA)), checksum)
+
+
+def test_a_missing_or_malformed_checksum_never_verifies() -> None:
+    checksum = block_checksum("L", 0, H32, DATA)
+    assert not verify("L", 0, H32, DATA, None)
+    assert not verify("L", 0, H32, DATA, checksum[:8])
+    assert not verify("L", 0, H32, DATA, bytearray(checksum))
+    assert not verify("L", 0, H32, DATA, checksum.hex())
+
+
+def test_deterministic_and_stable_across_processes() -> None:
+    """The digest is a wire format: a node and a client of another build must agree on it.
+
+    XXH3-128 over ``b"dKV-sum1"``, u16 leaf length, leaf, u16 shard, u64 size, u8 hash length, hash, bytes.
+    """
+    assert block_checksum("L", 0, b"\x01" * 8, b"") == block_checksum("L", 0, b"\x01" * 8, b"")
+    assert block_checksum("full", 1, bytes(range(8)), b"abc").hex() == "3c0450479e9bf3bb04c2069c184461cb"
+
+
+def test_an_empty_block_has_a_checksum_of_its_own() -> None:
+    assert verify("L", 0, H8, b"", block_checksum("L", 0, H8, b""))
+    assert block_checksum("L", 0, H8, b"") != block_checksum("L", 0, H8, b"\0")
+
+
+def test_write_sums_are_optional_and_checked_when_present() -> None:
+    base = {"op": "write", "keys": [["L", 0, H8]], "sizes": [4], "shm": False}
+    assert check_request(dict(base)) == "write"  # absent: an old client
+    assert check_request({**base, "sums": [block_checksum("L", 0, H8, b"abcd")]}) == "write"
+    for bad in (None, [b"short"], [None], "x" * 16, [b"x" * 17]):
+        with pytest.raises(ProtocolError, match="sums"):
+            check_request({**base, "sums": bad})
+    with pytest.raises(ProtocolError, match="missing field 'shm'"):  # the other fields stay required
+        check_request({"op": "write", "keys": [], "sizes": [], "sums": []})
