@@ -11,11 +11,15 @@ Freed bytes never come back: :meth:`Arena.free` zeroes the slot, so a slot
 handed out again holds zeros until its writer fills it. The zeroed pages stay
 mapped, so the next block of that namespace (usually of the same size: the
 allocator reuses an exact fit first) is written without page faults, which
-cost far more than the zeroing. Freed-but-mapped memory is bounded: once more
-than :data:`TRIM_SLACK` of the pool (or 1 GiB) is free but still resident
-across segments, :meth:`Arena.free` calls :meth:`Arena.trim`, which returns
-every free run's pages to the system (``MADV_REMOVE``). The pool's memory use therefore stays within
-``size`` plus that slack, whatever mix of namespaces churns through it.
+cost far more than the zeroing. Freed-but-mapped memory is bounded: each
+segment counts the freed bytes it still has mapped (a reuse in that segment
+takes them back), and once the bytes in use plus those of every segment pass
+``size`` plus :data:`TRIM_SLACK` of it (at most 1 GiB) — memory that one
+namespace freed while another grows — :meth:`Arena.allocate` calls
+:meth:`Arena.trim`, which returns the free runs' pages to the system
+(``MADV_REMOVE``). One namespace that frees and refills, however much at once,
+never pays page faults again; the pool's memory stays within ``size`` plus the
+slack whatever mix of namespaces churns through it.
 
 Every slot starts on a 4 KiB boundary (unaligned copies are several times
 slower here). Allocation within a segment is first-fit over a sorted run list
@@ -142,6 +146,7 @@ class Segment:
         self.view = memoryview(self._mmap)
         self._bytes = np.frombuffer(self._mmap, dtype=np.uint8)  # zeroing without a temporary buffer
         self.allocator = SlotAllocator(span)
+        self.resident_free = 0  # freed bytes whose pages are still mapped (a reuse here takes them back)
         self.holders = 0  # connections that were handed this segment and are still open
 
     @property
@@ -196,7 +201,6 @@ class Arena:
         self.label = label
         self.max_namespaces = max_namespaces
         self.used = 0
-        self.resident_free = 0  # upper bound of freed bytes whose pages are still mapped (see trim)
         self.trim_slack = min(int(self.size * TRIM_SLACK), MAX_TRIM_SLACK)
         self.trims = 0
         self._segments: dict[str, Segment] = {}
@@ -254,28 +258,32 @@ class Arena:
         offset = seg.allocator.alloc(nbytes)
         if offset is not None:
             self.used += need
-            self.resident_free = max(0, self.resident_free - need)  # most likely a reused, resident run
+            seg.resident_free = max(0, seg.resident_free - need)  # most likely a reused, resident run
+            if self.used + self.resident_free > self.size + self.trim_slack:
+                self.trim()  # another namespace's freed pages are still mapped while this one grows
         return offset
 
     def free(self, namespace: str, offset: int, nbytes: int) -> None:
-        """Return a slot, zeroed: nothing of it is ever read again. May :meth:`trim`."""
+        """Return a slot, zeroed: nothing of it is ever read again (its pages stay mapped for reuse)."""
         seg = self._segments[namespace]
         size = align_up(max(nbytes, 1))
         seg.zero(offset, size)  # cheaper than faulting fresh pages in on reuse
         seg.allocator.free(offset, nbytes)
         self.used -= size
-        self.resident_free += size
-        if self.resident_free > self.trim_slack:
-            self.trim()
+        seg.resident_free += size
 
     def trim(self) -> None:
         """Return the pages of every free run of every segment to the system (bounded by free runs)."""
-        if self.resident_free == 0:
-            return
         for seg in self._segments.values():
-            seg.release_free_runs()
-        self.resident_free = 0
+            if seg.resident_free:
+                seg.release_free_runs()
+                seg.resident_free = 0
         self.trims += 1
+
+    @property
+    def resident_free(self) -> int:
+        """Freed bytes still mapped, over all segments (an upper bound: what :meth:`trim` would give back)."""
+        return sum(seg.resident_free for seg in self._segments.values())
 
     def slot(self, namespace: str, offset: int, nbytes: int) -> memoryview:
         """The ``nbytes`` of ``namespace``'s slot at ``offset`` (a view, no copy; a zero-byte block owns none)."""

@@ -143,17 +143,32 @@ def test_pool_too_small_is_a_config_error() -> None:
         Arena(100)
 
 
-def test_freed_memory_stays_resident_for_reuse_only_up_to_the_slack() -> None:
-    arena = Arena(64 * PAGE, label="unit")
-    arena.trim_slack = 4 * PAGE
+def test_one_namespace_that_frees_and_refills_keeps_its_pages_however_much_it_frees() -> None:
+    arena = Arena(8 * PAGE, label="unit")
+    arena.trim_slack = PAGE
     try:
         slots = [arena.allocate("ns/a", PAGE) for _ in range(8)]
-        for offset in slots[:4]:
+        for offset in slots:
             arena.slot("ns/a", offset, PAGE)[:] = b"\x01" * PAGE
             arena.free("ns/a", offset, PAGE)
-        assert arena.trims == 0 and arena.resident_free == 4 * PAGE, "kept for the next block"
-        arena.free("ns/a", slots[4], PAGE)
-        assert arena.trims == 1 and arena.resident_free == 0, "past the slack: every free run goes back"
-        assert all(bytes(arena.slot("ns/a", o, PAGE)) == bytes(PAGE) for o in slots[:5])
+        assert arena.trims == 0 and arena.resident_free == 8 * PAGE, "kept for the namespace's next blocks"
+        assert all(bytes(arena.slot("ns/a", o, PAGE)) == bytes(PAGE) for o in slots), "zeroed all the same"
+        again = [arena.allocate("ns/a", PAGE) for _ in range(8)]
+        assert sorted(again) == sorted(slots) and arena.resident_free == 0
+    finally:
+        arena.close()
+
+
+def test_memory_freed_by_one_namespace_goes_back_once_another_grows_past_the_slack() -> None:
+    arena = Arena(8 * PAGE, label="unit")
+    arena.trim_slack = 2 * PAGE
+    try:
+        a = [arena.allocate("ns/a", PAGE) for _ in range(6)]
+        for offset in a[:5]:
+            arena.free("ns/a", offset, PAGE)
+        b = [arena.allocate("ns/b", PAGE) for _ in range(4)]
+        assert arena.trims == 0, "in use plus freed-but-mapped: 5 + 5 pages, within 8 + 2"
+        b.append(arena.allocate("ns/b", PAGE))  # 6 + 5: past 8 + 2
+        assert arena.trims == 1 and arena.resident_free == 0, "ns/a's freed pages went back"
     finally:
         arena.close()
