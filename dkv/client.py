@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
 
-from dkv.arena import SegmentMapping
+from dkv.arena import SegmentMapping, align_up
 from dkv.checksum import CHECKSUM_SIZE, block_checksum, is_checksum
 from dkv.checksum import verify as checksum_matches
 from dkv.credentials import read_local_credential
@@ -74,7 +74,9 @@ DEFAULT_TIMEOUT = 10.0
 # The limits a node announces in its handshake, and the wire's own bounds used when it names none.
 # max_cost: hashes x leaves x shards of one lookup, probe or touch (a node that names none takes any).
 WIRE_LIMITS = {"max_keys": MAX_KEYS, "max_frame": MAX_FRAME, "max_leaves": MAX_LEAVES,
-               "max_cost": MAX_KEYS * MAX_LEAVES * MAX_TP_SHARDS}
+               "max_cost": MAX_KEYS * MAX_LEAVES * MAX_TP_SHARDS,
+               # a connection's uncommitted reservations (bytes of page-aligned slots, and keys)
+               "max_reserved_bytes": 2**62, "max_reserved_keys": MAX_KEYS}
 SMALL_REQUEST_KEYS = 1024  # this many keys (64-char leaves, 32-byte hashes) take under 128 KiB on the wire
 SMALL_FRAME = 256 * 1024  # a node whose frames are at least this large takes them in one request
 FRAME_SLACK = 64  # bytes kept free in every estimated frame (array/map headers that grow with a count)
@@ -361,7 +363,7 @@ class NodeClient:
         return self.info
 
     def limit(self, name: str) -> int:
-        """The node's announced limit ``name`` (``max_keys``, ``max_frame``, ``max_leaves``, ``max_cost``), never above the wire's.
+        """The node's announced limit ``name`` (a key of :data:`WIRE_LIMITS`), never above the wire's.
 
         Before the first handshake, or from a node that does not announce it,
         this is the wire's own bound (:data:`WIRE_LIMITS`).
@@ -655,10 +657,28 @@ class NodeClient:
         sums_field = {"sums": []} if self.checksums else {}
         runs = await self._key_runs(wire_keys, extra_per_key=9 + (CHECKSUM_WIRE_BYTES if self.checksums else 0),
                                     base={"op": "write", "keys": [], "sizes": [], "shm": True, **sums_field})
+        runs = [part for run in runs for part in self._reservation_runs(run, views)]
         parts: list[list[str]] = []
         for run in reversed(runs):  # deepest run first, so the root's run is the newest use (see read)
             parts.append((await self._write_run(wire_keys[run.start:run.stop], views[run.start:run.stop])).statuses)
         return WriteResult([status for part in reversed(parts) for status in part])
+
+    def _reservation_runs(self, run: range, views: Sequence[memoryview]) -> list[range]:
+        """``run`` cut so that each part's slots fit one connection's reservation bound (``max_reserved_*``).
+
+        A block larger than the bound on its own is a part of its own (the
+        node answers it ``full``).
+        """
+        max_bytes, max_keys = self.limit("max_reserved_bytes"), self.limit("max_reserved_keys")
+        parts, start, held = [], run.start, 0
+        for i in run:
+            cost = align_up(views[i].nbytes) if views[i].nbytes else 0
+            if i > start and (held + cost > max_bytes or i - start >= max_keys):
+                parts.append(range(start, i))
+                start, held = i, 0
+            held += cost
+        parts.append(range(start, run.stop))
+        return parts
 
     async def _write_run(self, wire_keys: list[list[Any]], views: list[memoryview]) -> WriteResult:
         """One two-phase write (see :meth:`write`).

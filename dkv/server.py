@@ -549,7 +549,10 @@ class NodeServer:
                 "shm": shm,
                 "limits": {"max_frame": MAX_FRAME, "max_keys": MAX_KEYS, "max_leaves": MAX_LEAVES,
                            "lease_ttl": self.config.lease_ttl, "read_ttl": self.config.read_ttl,
-                           "max_leases": self.config.max_leases_per_client, "max_cost": self.config.max_cost},
+                           "max_leases": self.config.max_leases_per_client, "max_cost": self.config.max_cost,
+                           # one connection's uncommitted reservations: a client splits bigger writes to fit
+                           "max_reserved_bytes": self.store.max_reserved_bytes_per_owner,
+                           "max_reserved_keys": self.store.max_reserved_keys_per_owner},
             },
             HANDSHAKE_TIMEOUT,
         )

@@ -309,6 +309,7 @@ class Store:
         self._owner_reserved_bytes_cap: int = self.max_reserved_bytes_per_owner
         self._owner_keys_cap = min(self.max_blocks, max(self.max_blocks // 8, RESERVED_KEYS_FLOOR_PER_OWNER))
         self._tenant_keys_cap = min(self.max_blocks, max(self.max_blocks // 4, RESERVED_KEYS_FLOOR_PER_TENANT))
+        self.max_reserved_keys_per_owner = self._owner_keys_cap  # announced to clients (they split writes)
         self._tenants: dict[str, TenantUsage] = {}
         self._owner_reserved: dict[str, list[int]] = {}  # reservation owner -> [bytes, keys] it holds reserved
         self._off_host: dict[StoreKey, None] = {}  # every block off the host tier, oldest first

@@ -55,3 +55,18 @@ async def test_split_write_still_evicts_its_chain_deepest_first_and_root_last(no
         mask = (await client.probe(chain, ["L"]))["L"]
         gone += [i for i, present in enumerate(mask) if not present and i not in gone]
     assert gone == [3, 2, 1, 0], "a split write must not leave the root's run older than the rest of its chain"
+
+
+async def test_a_write_bigger_than_one_connections_reservation_bound_is_split_not_refused(node_factory,
+                                                                                        clients) -> None:
+    node = node_factory("--pool", "64MiB", "--max-reserved-per-connection", "4MiB")
+    client = clients(node.address, local=False)
+    block = 2**20
+    keys = [BlockKey("L", 0, os.urandom(32)) for _ in range(16)]
+    data = [os.urandom(block) for _ in keys]
+    written = await client.write(keys, data)
+    assert written.statuses == ["write"] * 16, "16 MiB in one write, through a 4 MiB reservation bound"
+    found = await client.lookup([k.hash for k in keys], ["L"])
+    dests = [bytearray(block) for _ in keys]
+    await client.read(found.lease_id, keys, dests)
+    assert [bytes(d) for d in dests] == data
