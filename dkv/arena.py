@@ -39,7 +39,6 @@ import logging
 import mmap
 import os
 import stat
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -327,10 +326,3 @@ class SegmentMapping:
             except BufferError:
                 log.debug("segment mapping closed with live views")
 
-
-@dataclass(frozen=True)
-class SegmentGrant:
-    """What a handover gives a client: the segment's size and whether it may write."""
-
-    size: int
-    writable: bool
