@@ -14,11 +14,12 @@ VENV=.venv
 # setup EXTRAS: etcd, .venv, and this project with the given pip extras (e.g. "test,max").
 setup() {
   local extras=$1
-  if ! command -v etcd >/dev/null 2>&1 || ! command -v openssl >/dev/null 2>&1; then
-    echo "==> installing etcd (Debian package etcd-server) and openssl (test certificates)"
+  if ! command -v etcd >/dev/null 2>&1 || ! command -v openssl >/dev/null 2>&1 \
+      || ! command -v redis-server >/dev/null 2>&1; then
+    echo "==> installing etcd (Debian package etcd-server), openssl (test certificates) and redis-server (bench baseline)"
     if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
     $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq etcd-server iproute2 openssl >/dev/null
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq etcd-server iproute2 openssl redis-server >/dev/null
   fi
   local stamp="$VENV/.dkv-installed"
   local pins
@@ -37,6 +38,9 @@ setup() {
   if [[ ",$extras," == *",max,"* ]]; then
     "$VENV/bin/python" -c "import max.pipelines.kv_cache" >/dev/null
   fi
+  if [[ ",$extras," == *",bench,"* ]]; then
+    "$VENV/bin/python" -c "import redis, hiredis" >/dev/null
+  fi
   echo "$pins $extras" > "$stamp"
 }
 
@@ -48,11 +52,11 @@ case "$cmd" in
     exec "$VENV/bin/dkv" demo "$@"
     ;;
   test)
-    setup test,max   # with Modular MAX, so its own KV cache manager is driven over dKV
+    setup test,max,bench   # with Modular MAX (its own KV cache manager driven over dKV) and redis-py (scripts/bench.py)
     exec "$VENV/bin/python" -m pytest -q "$@"
     ;;
   setup)
-    setup test,max
+    setup test,max,bench
     ;;
   *)
     echo "usage: scripts/run.sh demo|test|setup [args...]" >&2
