@@ -13,7 +13,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from dkv.etcd import DEFAULT_CLUSTER, DEFAULT_PREFIX, EtcdSettings, Layout, MemberRecord, make_client
 from dkv.hostid import host_id
@@ -21,8 +21,7 @@ from dkv.membership import Membership
 from dkv.publisher import DirectoryPublisher
 from dkv.wire import PROTOCOL_VERSION
 
-if TYPE_CHECKING:
-    from dkv.server import NodeServer
+from dkv.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +48,29 @@ def new_epoch() -> str:
     return f"{int(time.time())}-{secrets.token_hex(4)}"
 
 
+class ServedNode(Protocol):
+    """What a cluster presence needs of its node (:class:`dkv.server.NodeServer` is one): no import of the server."""
+
+    epoch: str  # replaced when the node's etcd lease was lost (a new registration is a new epoch)
+    started_at: float
+    store: Store
+
+    @property
+    def node_id(self) -> str: ...
+
+    @property
+    def address(self) -> str: ...
+
+
 class ClusterPresence:
     """Owns the node's etcd side (see module docstring)."""
 
-    def __init__(self, server: NodeServer, config: ClusterConfig) -> None:
+    def __init__(self, server: ServedNode, config: ClusterConfig) -> None:
         self.server = server
         self.config = config
         self.layout = Layout(config.cluster, config.prefix)
         self.client = make_client(config.etcd)
-        node_id = server.config.node_id
+        node_id = server.node_id
         self.publisher = DirectoryPublisher(
             self.client, self.layout, node_id, epoch=server.epoch, publish_every=config.publish_every,
             flush_interval=config.flush_interval, max_pending=config.max_pending,
@@ -72,7 +85,7 @@ class ClusterPresence:
         host_free, host_total = server.store.host_bytes()
         disk_free, disk_total = server.store.disk_bytes()
         return MemberRecord(
-            node_id=server.config.node_id,
+            node_id=server.node_id,
             address=server.address,
             epoch=server.epoch,
             protocol_version=PROTOCOL_VERSION,
