@@ -28,6 +28,7 @@ import contextlib
 import logging
 import os
 import secrets
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -53,11 +54,14 @@ from dkv.hostid import host_id
 from dkv.keys import MAX_TP_SHARDS, BlockKey, check_hashes, check_leaf, check_namespace, check_shard
 from dkv.store import WRITE
 from dkv.handover import redeem
+from dkv.lease_slots import LeaseSlots
+from dkv.local_channel import StreamConnection, connect_local
 from dkv.transport import Connection, connect, hold_transport, release_transport
 from dkv.units import parse_address
 from dkv.wire import (
     MAX_FRAME,
     MAX_KEYS,
+    MAX_ENDS,
     MAX_LEAVES,
     NONCE_SIZE,
     PROTOCOL_VERSION,
@@ -79,6 +83,9 @@ WIRE_LIMITS = {"max_keys": MAX_KEYS, "max_frame": MAX_FRAME, "max_leaves": MAX_L
                "max_reserved_bytes": 2**62, "max_reserved_keys": MAX_KEYS}
 SMALL_REQUEST_KEYS = 1024  # this many keys (64-char leaves, 32-byte hashes) take under 128 KiB on the wire
 SMALL_FRAME = 256 * 1024  # a node whose frames are at least this large takes them in one request
+MAX_REMEMBERED_LEASES = 4096  # slot maps kept for loads to come (a lease past these loads in two steps)
+LEASE_CLOCK_MARGIN = 0.5  # a same-host copy starts at least this long before the node's lease TTL runs out
+END_FLUSH_DELAY = 0.05  # a loaded lease no lookup ended by then is ended by an ``end`` request of its own
 FRAME_SLACK = 64  # bytes kept free in every estimated frame (array/map headers that grow with a count)
 CHECKSUM_WIRE_BYTES = CHECKSUM_SIZE + 2  # one checksum in a write request: msgpack bin8
 
@@ -115,12 +122,18 @@ class WriteResult:
 class _Session:
     """One handshaken connection, with the segment mapping it was handed (same-host path) if any."""
 
-    def __init__(self, conn: Connection, info: NodeInfo, mapping: SegmentMapping | None = None) -> None:
+    def __init__(self, conn: Connection | StreamConnection, info: NodeInfo, mapping: SegmentMapping | None = None,
+                 take_ends: Callable[[], list[int]] | None = None) -> None:
         self.conn = conn
         self.info = info
         self.mapping = mapping
+        self._take_ends = take_ends
 
     async def request(self, message: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """One request and its reply; it carries the leases its client loaded from since (``ends``)."""
+        ends = self._take_ends() if self._take_ends is not None else None
+        if ends:
+            message = {**message, "ends": ends}
         await self.conn.send_message(message, timeout)
         return _check_reply(await self.conn.recv_message(timeout))
 
@@ -213,10 +226,29 @@ class NodeClient:
         self._closed = False
         self._holds_transport = False  # counted as a user of UCX from the first connection until close
         self._busy = 0  # sessions checked out of the pool
+        self._control: tuple[str, NodeInfo] | None = None  # the node's control socket, once met over UCX
+        self._group_leases: dict[int, int] = {}  # group -> its latest lease with a slot map
+        self._lease_slots: dict[int, LeaseSlots] = {}  # same-host leases' slot maps, until their load (bounded)
+        self._ends: list[int] = []  # leases loaded from on the same-host path, to end with the next request
+        self._end_timer: asyncio.TimerHandle | None = None
+        self._background: set[asyncio.Future[Any]] = set()  # owned: cancelled by close()
+        self.fast_reads = 0  # reads served in one round trip (copied under the lookup's lease)
 
     # ---- connection pool ------------------------------------------------------------------
 
     async def _open_session(self) -> _Session:
+        """A new handshaken connection: over the node's control socket when it is on this host, else UCX.
+
+        The control socket's name comes from an authenticated UCX handshake
+        (:mod:`dkv.local_channel`); from then on this client opens its
+        connections there, until that fails once (the node restarted, say).
+        """
+        if self._control is not None:
+            try:
+                return await self._open_local_session(*self._control)
+            except (DKVError, OSError) as exc:
+                log.debug("control socket of %s: %s; back to UCX", self.address, exc)
+                self._control = None
         if not self._holds_transport:
             hold_transport()
             self._holds_transport = True
@@ -230,7 +262,39 @@ class NodeClient:
             conn.abort()
             raise
         self.info = info
-        return _Session(conn, info, mapping)
+        session = _Session(conn, info, mapping, self._take_ends)
+        control = reply["shm"].get("control") if mapping is not None else None
+        if isinstance(control, str):
+            try:
+                local = await self._open_local_session(control, info)
+            except (DKVError, OSError) as exc:  # unreachable, or no room for one more connection (NodeBusy)
+                log.debug("control socket of %s: %s; staying on UCX", self.address, exc)
+                return session
+            except BaseException:
+                conn.abort()
+                raise
+            self._control = (control, info)
+            conn.abort()  # its replacement is open, so the node keeps this client's leases
+            return local
+        return session
+
+    async def _open_local_session(self, name: str, met: NodeInfo) -> _Session:
+        """A session over the node's control socket ``name``; the node must be the one ``met`` over UCX."""
+        conn = await connect_local(name, min(self.timeout, 2.0))
+        try:
+            reply = await handshake(conn, self.namespace, secret=self.token, tenant=self.tenant,
+                                    client_id=self.client_id, timeout=self.timeout)
+            info = NodeInfo(reply["node"], reply["epoch"], reply["host"], reply.get("limits", {}))
+            if (info.node_id, info.epoch) != (met.node_id, met.epoch):
+                raise TransportError(f"the control socket of {self.address} answers as another node")
+            mapping = await self._take_segment(reply.get("shm"), info)
+            if mapping is None:
+                raise TransportError("the control socket's session was not handed its segment")
+        except BaseException:
+            conn.abort()
+            raise
+        self.info = info
+        return _Session(conn, info, mapping, self._take_ends)
 
     async def _take_segment(self, offer: Any, info: NodeInfo) -> SegmentMapping | None:
         """Redeem the handshake's ticket for this namespace's segment (same-host path), or ``None``.
@@ -447,12 +511,70 @@ class NodeClient:
         requests = await self._presence_requests("lookup", hashes, leaves, shards, lease=lease, group=group)
         if lease and len(requests) > 1:
             raise ValueError(self._unsplittable("a leased lookup", len(hashes), len(leaves), shards))
+        if lease:
+            return await self._call(lambda session: self._leased_lookup(session, requests[0][1]), idempotent=True)
         masks: dict[str, list[bool]] = {}
         lease_id = None
         for (run, _), reply in zip(requests, await self._presence(requests)):
             _merge_masks(masks, _unpack_masks(reply["masks"], len(run)))
             lease_id = reply.get("lease")
         return LookupResult(masks, lease_id)
+
+    async def _leased_lookup(self, session: _Session, message: dict[str, Any]) -> LookupResult:
+        """One leased lookup on ``session``; on the same-host path it also learns where the blocks lie."""
+        mapping = self._arena(session)
+        fast = mapping is not None and self.checksums  # copies are proven by their checksums: see dkv.lease_slots
+        message = {**message, "slots": True} if fast else message
+        previous = self._group_leases.pop(message["group"], None)
+        if previous is not None:  # this lookup ends the group's previous lease: its load must be refused
+            self._lease_slots.pop(previous, None)
+        sent_at = time.monotonic()
+        reply = await session.request(message, self.timeout)
+        masks = _unpack_masks(reply["masks"], len(message["hashes"]))
+        lease_id = reply.get("lease")
+        if fast and lease_id is not None and "slots" in reply:
+            assert mapping is not None
+            ttl = float(reply.get("ttl") or 0.0)
+            slots = LeaseSlots(mapping, message["hashes"], message["shards"], reply["slots"],
+                               live_until=sent_at + ttl - LEASE_CLOCK_MARGIN)
+            self._remember_slots(lease_id, message["group"], slots)
+        return LookupResult(masks, lease_id)
+
+    def _remember_slots(self, lease_id: int, group: int, slots: LeaseSlots) -> None:
+        """Keep a lease's slot map for its load (bounded: the oldest are forgotten, their loads take two steps)."""
+        self._lease_slots[lease_id] = slots
+        self._group_leases[group] = lease_id
+        while len(self._lease_slots) > MAX_REMEMBERED_LEASES:
+            self._lease_slots.pop(next(iter(self._lease_slots)))
+        while len(self._group_leases) > MAX_REMEMBERED_LEASES:
+            self._group_leases.pop(next(iter(self._group_leases)))
+
+
+    def _take_ends(self) -> list[int]:
+        """The loaded leases the next request ends (at most ``MAX_ENDS``); they leave the queue."""
+        ends, self._ends = self._ends[:MAX_ENDS], self._ends[MAX_ENDS:]
+        return ends
+
+    def _end_soon(self, lease_id: int) -> None:
+        """End a lease the same-host path loaded from: with the next request, or an ``end`` request shortly."""
+        self._ends.append(lease_id)
+        if self._end_timer is None and not self._closed:
+            self._end_timer = asyncio.get_running_loop().call_later(END_FLUSH_DELAY, self._flush_ends)
+
+    def _flush_ends(self) -> None:
+        self._end_timer = None
+        if self._ends and not self._closed:
+            task = asyncio.ensure_future(self._send_ends())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _send_ends(self) -> None:
+        while self._ends and not self._closed:
+            try:
+                await self._request({"op": "end"}, idempotent=True)  # it carries them as any request does
+            except DKVError as exc:  # the leases lapse with their TTL (or with the connections) instead
+                log.debug("ending loaded leases on %s: %s", self.address, exc)
+                return
 
     def _unsplittable(self, what: str, hashes: int, leaves: int, shards: int = 1) -> str:
         if hashes > self.limit("max_keys"):
@@ -486,6 +608,7 @@ class NodeClient:
 
     async def release(self, lease_id: int) -> bool:
         """End a lease (abandon). Returns False when the node no longer held it."""
+        self._lease_slots.pop(lease_id, None)
         return bool((await self._request({"op": "release", "lease": lease_id}, idempotent=True))["released"])
 
     async def stats(self) -> dict[str, Any]:
@@ -519,6 +642,14 @@ class NodeClient:
         if len(keys) != len(dests):
             raise ValueError("read: one destination per key")
         views = [_byte_view(d) for d in dests]
+        slots = self._lease_slots.pop(lease_id, None) if end_lease else self._lease_slots.get(lease_id)
+        # a lease this client knows ended (its TTL, a later lookup of its group, a release) loads the two-step
+        # way, which the node refuses; a copy under a lease ended by anything else fails its checksums
+        if slots is not None and self.checksums and time.monotonic() < slots.live_until and await slots.copy(keys, views):
+            if end_lease:
+                self._end_soon(lease_id)
+            self.fast_reads += 1
+            return
         wire_keys = _wire_keys(keys)
         runs = await self._key_runs(wire_keys, extra_per_key=0,
                                     base={"op": "read", "lease": lease_id, "keys": [], "end": True, "shm": True})
@@ -731,6 +862,13 @@ class NodeClient:
         still in flight defers that to its own end.
         """
         self._closed = True
+        if self._end_timer is not None:
+            self._end_timer.cancel()  # the node ends this client's leases as its connections close
+            self._end_timer = None
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        self._lease_slots.clear()
         sessions, self._idle = self._idle, []
         await asyncio.gather(*(s.conn.close() for s in sessions), return_exceptions=True)
         if self._mapping is not None:

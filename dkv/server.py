@@ -23,6 +23,7 @@ import os
 import secrets
 import socket
 import time
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,7 @@ from dkv.credentials import CLUSTER, Credential, Credentials, LocalCredential, Q
 from dkv.disk_tier import DiskTier
 from dkv.disk_worker import DiskWorker
 from dkv.handover import HandoverServer
+from dkv.local_channel import LocalListener, StreamConnection
 from dkv.errors import ConfigError, DKVError, ProtocolError, RemoteError, TransportError
 from dkv.hostid import host_id
 from dkv.etcd import check_node_id
@@ -150,7 +152,7 @@ class NodeConfig:
 class _Peer:
     """Per-connection state."""
 
-    conn: Connection
+    conn: Connection | StreamConnection
     conn_owner: str
     client_owner: str = ""
     namespace: str = ""
@@ -190,6 +192,7 @@ class NodeServer:
         cluster_secret = config.token if config.token is not None else self.local_credential.secret
         self.credentials = Credentials(Credential(CLUSTER, cluster_secret), config.tenants)
         self.handover = HandoverServer(label, self._share_segment, self._segment_granted)
+        self.control = LocalListener(label, self._serve)  # same-host clients' control path (dkv.local_channel)
         self.store = Store(
             self.arena,
             disk,
@@ -220,6 +223,10 @@ class NodeServer:
         self.reaped: dict[str, int] = {}  # connections closed by the node: "idle", or "cap" to admit another
 
     @property
+    def node_id(self) -> str:
+        return self.config.node_id
+
+    @property
     def port(self) -> int:
         assert self._listener is not None, "server not started"
         return self._listener.port
@@ -244,6 +251,7 @@ class NodeServer:
         if self._disk_worker is not None:
             self._disk_worker.start()
         await self.handover.start()
+        await self.control.start()
         self._listener = Listener(self._serve, self.config.port)
         self._expiry = asyncio.create_task(self._expire_forever(), name="dkv-expiry")
         if self.cluster_config is not None:
@@ -273,6 +281,7 @@ class NodeServer:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=5.0)
+        await self.control.close()
         self.store.close()
         await self.handover.close()
         if self._disk_worker is not None:
@@ -290,7 +299,7 @@ class NodeServer:
 
     # ---- connections ------------------------------------------------------------------------
 
-    async def _serve(self, conn: Connection) -> None:
+    async def _serve(self, conn: Connection | StreamConnection) -> None:
         if self._closed:
             conn.abort()
             return
@@ -537,7 +546,7 @@ class NodeServer:
         self._client_conns[peer.client_owner] = self._client_conns.get(peer.client_owner, 0) + 1
         shm = None
         if hello["host"] == host_id() and namespace != ADMIN_NAMESPACE:
-            shm = {"socket": self.handover.name, "access": credential.access,
+            shm = {"socket": self.handover.name, "access": credential.access, "control": self.control.name,
                    "ticket": self.handover.issue(peer.conn_owner, namespace, credential.can_write)}
         await conn.send_message(
             {
@@ -577,6 +586,8 @@ class NodeServer:
         if peer.namespace == ADMIN_NAMESPACE and op != "stats":
             raise ProtocolError(f"the {ADMIN_NAMESPACE} namespace may only ask for stats")
         self.ops[op] = self.ops.get(op, 0) + 1
+        if "ends" in request:  # leases the client loaded from on the same-host path (see dkv.wire)
+            self._end_used(peer, request["ends"])
         handler: Callable[[_Peer, dict[str, Any]], Any] = getattr(self, f"_op_{op}")
         try:
             if op in COSTED_OPS:
@@ -622,8 +633,21 @@ class NodeServer:
             owner=peer.client_owner if req["lease"] else None, group=req["group"], promoted=promoted,
             tenant=_tenant_of(peer),
         )
+        slots = None
+        if lease is not None and req.get("slots") and peer.shm is not None:  # same-host: one round trip per load
+            slots = {leaf: [array("q", offsets).tobytes(), array("q", sizes).tobytes(), b"".join(sums)]
+                     for leaf, (offsets, sizes, sums) in
+                     self.store.lease_slots(lease, peer.namespace, req["hashes"], req["leaves"], req["shards"]).items()}
         await self._reply(peer, masks=_pack_masks(masks), lease=lease.lease_id if lease else None,
-                          ttl=self.config.lease_ttl)
+                          ttl=self.config.lease_ttl, **({"slots": slots} if slots is not None else {}))
+
+    def _end_used(self, peer: _Peer, lease_ids: Any) -> int:
+        """End leases whose blocks the client copied itself (same-host loads); how many were still held."""
+        return sum(self.store.end_used_lease(lease_id, peer.client_owner) for lease_id in lease_ids)
+
+    async def _op_end(self, peer: _Peer, req: dict[str, Any]) -> None:
+        """Carries ``ends`` for a client with nothing else to send (ended in :meth:`_handle`)."""
+        await self._reply(peer)
 
     def _check_cost(self, req: dict[str, Any]) -> None:
         """Refuse a lookup, probe or touch over max_cost (hashes x leaves x shards) before any work starts."""

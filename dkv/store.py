@@ -396,8 +396,10 @@ class Store:
     def presence(self, namespace: str, hashes: Sequence[bytes], leaves: Sequence[str], shards: int) -> dict[str, list[bool]]:
         """Per leaf, a mask over ``hashes``: True when all ``shards`` shards hold the block."""
         blocks = self.blocks
+        if shards == 1:  # the usual shape: one plain-tuple probe per hash (a StoreKey hashes and compares as one)
+            return {leaf: [(namespace, leaf, 0, h) in blocks for h in hashes] for leaf in leaves}
         return {
-            leaf: [all(StoreKey(namespace, leaf, s, h) in blocks for s in range(shards)) for h in hashes]
+            leaf: [all((namespace, leaf, s, h) in blocks for s in range(shards)) for h in hashes]
             for leaf in leaves
         }
 
@@ -440,21 +442,13 @@ class Store:
             previous = self._group_lease.get((owner, group))
             if previous is not None:
                 self.end_lease(previous)
-        masks = self.presence(namespace, hashes, leaves, shards)
         lease = None
-        if owner is not None:
+        if owner is None:
+            masks = self.presence(namespace, hashes, leaves, shards)
+        else:
             pinned: dict[StoreKey, int] = {}
             try:
-                for leaf, mask in masks.items():
-                    for depth, (h, present) in enumerate(zip(hashes, mask)):
-                        if not present:
-                            continue
-                        keys = [StoreKey(namespace, leaf, s, h) for s in range(shards)]
-                        if all(self._pin_on_host(k, pinned, promoted) for k in keys):
-                            for k in keys:
-                                pinned[k] = depth
-                        else:
-                            mask[depth] = False
+                masks = self._pin_present(namespace, hashes, leaves, shards, pinned, promoted)
                 lease = self._grant(owner, group, pinned, tenant) if pinned else None  # nothing found: nothing to hold
             except BaseException:
                 self._unpin_keys(pinned)
@@ -463,6 +457,43 @@ class Store:
         self.counters.hits += hit
         self.counters.misses += len(hashes) * len(masks) - hit
         return masks, lease
+
+    def _pin_present(self, namespace: str, hashes: Sequence[bytes], leaves: Sequence[str], shards: int,
+                     pinned: dict[StoreKey, int], promoted: Mapping[StoreKey, Promoted] | None) -> dict[str, list[bool]]:
+        """Per leaf, the mask of hashes whose every shard is held and now pinned on the host tier (into ``pinned``).
+
+        One pass per key (the lookup's hot path): present blocks are pinned as
+        they are found, spilled ones promoted first (a block that cannot be
+        brought back is reported absent).
+        """
+        blocks, masks = self.blocks, {}
+        for leaf in leaves:
+            mask: list[bool] = []
+            append = mask.append
+            if shards == 1:
+                for depth, h in enumerate(hashes):
+                    block = blocks.get((namespace, leaf, 0, h))  # type: ignore[call-overload]
+                    if block is None or (block.offset < 0 and block.key not in pinned
+                                         and not self._promote(block, promoted)):
+                        append(False)
+                        continue
+                    if block.key not in pinned:
+                        if block.pins == 0:
+                            self.pinned_blocks += 1
+                        block.pins += 1
+                    pinned[block.key] = depth
+                    append(True)
+            else:
+                for depth, h in enumerate(hashes):
+                    keys = [StoreKey(namespace, leaf, s, h) for s in range(shards)]
+                    if all(k in blocks for k in keys) and all(self._pin_on_host(k, pinned, promoted) for k in keys):
+                        for k in keys:
+                            pinned[k] = depth
+                        append(True)
+                    else:
+                        append(False)
+            masks[leaf] = mask
+        return masks
 
     def _pin_on_host(self, key: StoreKey, pinned: dict[StoreKey, int],
                      promoted: Mapping[StoreKey, Promoted] | None = None) -> bool:
@@ -582,6 +613,49 @@ class Store:
 
     def _pinned(self, block: Block) -> bool:
         return block.pins > 0
+
+    def lease_slots(self, lease: Lease, namespace: str, hashes: Sequence[bytes], leaves: Sequence[str],
+                    shards: int) -> dict[str, tuple[list[int], list[int], list[bytes]]]:
+        """Where a lease's blocks lie, for a same-host client that copies them itself (one round trip per load).
+
+        Per leaf, three lists over ``hashes`` x ``shards`` (hash-major): the
+        slot offset (``-1`` where the lease holds no block, or the block has no
+        checksum: such a block is read the two-step way), the size, and the
+        writer's checksum (16 zero bytes where none). The lease's pins hold the
+        slots; a client that copies after they ended (TTL, a later lookup of
+        its group) sees its checksum fail and falls back to a read.
+        """
+        covered, blocks = lease.keys, self.blocks
+        none = bytes(16)
+        slots = {}
+        for leaf in leaves:
+            offsets, sizes, sums = [], [], []
+            for h in hashes:
+                for s in range(shards):
+                    key = (namespace, leaf, s, h)
+                    block = blocks.get(key) if key in covered else None  # type: ignore[call-overload]
+                    if block is None or block.checksum is None or block.offset < 0:
+                        offsets.append(-1)
+                        sizes.append(0)
+                        sums.append(none)
+                    else:
+                        offsets.append(block.offset)
+                        sizes.append(block.size)
+                        sums.append(block.checksum)
+            slots[leaf] = (offsets, sizes, sums)
+        return slots
+
+    def end_used_lease(self, lease_id: int, owner: str) -> bool:
+        """End ``owner``'s lease after a same-host client copied its blocks: stamp them as one use, then unpin.
+
+        The lease's blocks count as loaded (as :meth:`begin_read` stamps a
+        read's). False (nothing done) when ``owner`` holds no such lease.
+        """
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.owner != owner:
+            return False
+        self._stamp((k, d) for k, d in lease.keys.items() if k in self.blocks)
+        return self.end_lease(lease_id)
 
     def end_lease(self, lease_id: int) -> bool:
         """End a lease and unpin its blocks; False if it was not held. Idempotent."""

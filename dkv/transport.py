@@ -7,6 +7,23 @@ timeout or a transport error the endpoint is aborted *before* the error is
 raised, so no late UCX receive can land in a buffer the caller has already
 reused or freed.
 
+Framing (protocol 3): a control message is one UCX message, header and
+msgpack body together, when the body is at most :data:`INLINE_MAX` bytes
+(flag ``FLAG_INLINE``); the receiver posts one fixed-size receive
+(``HEADER_SIZE + INLINE_MAX``, freshly zeroed, so a short message reads as
+zeros, never as stale bytes) and takes the length from the header. A larger
+body follows the header as a second message, received into a buffer
+allocated only once the header has passed :func:`dkv.wire.decode_header`.
+
+Payloads: :meth:`Connection.send_payloads` and :meth:`Connection.recv_payloads`
+are called by the two sides with the same buffer sizes, so both derive the
+same sequence of UCX messages from the sizes alone (:func:`payload_plan`):
+runs of small buffers share one message of up to :data:`GROUP_BYTES`, a
+buffer of :data:`DIRECT_MIN` bytes or more (or under 8) goes alone. A group
+is sent straight from its buffers when they lie back to back in memory (arena
+slots usually do), else gathered into a staging buffer; it is received the
+same way, into the buffers or into staging and then scattered.
+
 Progress mode: see :func:`init_transport`. UCX progress and request
 completion are bound to the loop that initialises UCX, so a process drives
 all its UCX work from one loop (a node's, or :mod:`dkv.loop_thread`'s shared
@@ -25,6 +42,9 @@ initialises it again.
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
+import ctypes
 import logging
 import mmap
 import os
@@ -35,11 +55,21 @@ from typing import Any
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
+import numpy as np  # noqa: E402
 import ucxx  # noqa: E402
+from ucxx._lib.arr import Array  # noqa: E402
 from ucxx._lib_async.application_context import ProgressTasks  # noqa: E402
 
-from dkv.errors import OpTimeout, TransportError  # noqa: E402
-from dkv.wire import HEADER_SIZE, MAX_FRAME, decode_body, decode_header, encode_body, encode_header  # noqa: E402
+from dkv.errors import OpTimeout, ProtocolError, TransportError  # noqa: E402
+from dkv.wire import (  # noqa: E402
+    FLAG_INLINE,
+    HEADER_SIZE,
+    MAX_FRAME,
+    decode_body,
+    decode_header,
+    encode_body,
+    encode_header,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +84,22 @@ CLOSE_PERIOD_NS = 200_000_000
 # then nothing costs none), and unmapping gives them back to the system at once (glibc keeps
 # freed heap chunks of this size, having raised its mmap threshold after the first one).
 MAPPED_BODY_MIN = 256 * 1024
+# A body of at most this many bytes travels in one UCX message with its header; the receiver
+# posts a receive of HEADER_SIZE + INLINE_MAX for every control message (a protocol constant:
+# both sides must agree). Measured (scripts/probe_transport_pingpong.py): one message instead
+# of two halves a control message's cost; bodies up to a few KiB are the common case.
+INLINE_MAX = 16 * 1024
+# Payload batching (protocol constants too: both sides derive the same messages from the sizes).
+GROUP_BYTES = 1 << 20  # runs of small buffers share one UCX message of at most this many bytes
+DIRECT_MIN = 512 * 1024  # a buffer this large is its own message (no copy, whatever its neighbours)
+# A control message's send is not waited for by send_message (its completion would cost one more
+# hop through ucxx's notifier thread per message): the connection's next operation waits for it.
+# An abort while one is still leaving (an error reply, then the close) lets it go for this long.
+SEND_LINGER = 1.0
+_CANARY = 8  # bytes at the end of each buffer of a group that tell a short message (see _recv_group)
+STAGED_WINDOW = 4  # staged groups one call keeps in flight (bounds its staging memory)
+_STAGING_KEEP = 8  # staging buffers of GROUP_BYTES kept for reuse by the process
+_staging: list[bytearray] = []
 _initialised = False
 _live: set[Connection] = set()
 _owner_loop: weakref.ReferenceType[asyncio.AbstractEventLoop] | None = None  # the loop that initialised UCX
@@ -161,8 +207,8 @@ class Connection:
         self._ep = endpoint
         self.peer = peer
         self.max_frame = max_frame
-        self._header = bytearray(HEADER_SIZE)
         self._closed = False
+        self._sending: asyncio.Future[Any] | None = None  # the last control message's send, not yet waited for
         _live.add(self)
         if os.environ.get("DKV_DEBUG_LEAKS"):
             import traceback
@@ -191,16 +237,40 @@ class Connection:
             raise TransportError(f"{what} with {self.peer} failed: {type(exc).__name__}: {exc}") from exc
 
     async def send_message(self, message: dict[str, Any], timeout: float = DEFAULT_TIMEOUT) -> None:
-        """Send one framed msgpack message."""
+        """Send one framed msgpack message.
+
+        A message of up to :data:`INLINE_MAX` body bytes is one UCX message,
+        and this returns once it is posted: the connection's next operation
+        (any, within its own bound) or :meth:`close` waits for it to have
+        left, and raises if it failed. The message's bytes are its own, so
+        nothing of the caller's is held.
+        """
         body = encode_body(message)
         if self.closed:
             raise TransportError(f"connection to {self.peer} is closed")
+        await self._settle(timeout)
+        if len(body) <= INLINE_MAX:  # one UCX message: header and body together
+            self._sending = _request(self._ep.send(encode_header(len(body), FLAG_INLINE) + body))
+            return
 
         async def _send() -> None:
             await self._ep.send(encode_header(len(body)))
             await self._ep.send(body)
 
         await self._bounded(_send(), timeout, "send")
+
+    async def _settle(self, timeout: float) -> None:
+        """Wait (bounded) for the last control message's send to have left."""
+        sending, self._sending = self._sending, None
+        if sending is not None:
+            await self._bounded(sending, timeout, "send")
+
+    async def _after_sent(self, sending: asyncio.Future[Any] | None, awaitable: Awaitable[Any]) -> Any:
+        """``awaitable`` (posted now), then the earlier send: one wait for both."""
+        result = await awaitable
+        if sending is not None:
+            await sending
+        return result
 
     async def recv_message(self, timeout: float = DEFAULT_TIMEOUT, max_frame: int | None = None) -> dict[str, Any]:
         """Receive one framed message; the header is validated before the body is allocated.
@@ -215,46 +285,201 @@ class Connection:
         (:class:`dkv.errors.FrameTooLarge` over the bound); the stream is then
         out of step, so the caller answers if it wants and must :meth:`abort`.
         """
-        if self.closed:
+        if self._closed or self._ep is None:  # (an endpoint the peer closed may still hold its last message)
             raise TransportError(f"connection to {self.peer} is closed")
-        await self._bounded(self._ep.recv(self._header), timeout, "receive")
-        length = decode_header(self._header, self.max_frame if max_frame is None else max_frame)
+        # fresh and zeroed each time: a message shorter than its header says leaves zeros, not
+        # the bytes of an earlier message; a longer one fails the receive (UCX: truncated)
+        first = bytearray(HEADER_SIZE + INLINE_MAX)
+        sending, self._sending = self._sending, None  # the request's send completes as its reply comes
+        await self._bounded(self._after_sent(sending, _request(self._ep.recv(first))), timeout, "receive")
+        length, flags = decode_header(first, self.max_frame if max_frame is None else max_frame, with_flags=True)
+        if flags & FLAG_INLINE:
+            if length > INLINE_MAX:
+                raise ProtocolError(f"inline frame of {length} bytes exceeds the {INLINE_MAX}-byte bound")
+            return decode_body(memoryview(first)[HEADER_SIZE:HEADER_SIZE + length])
         body: bytearray | mmap.mmap = bytearray(length) if length < MAPPED_BODY_MIN else mmap.mmap(-1, length)
         if length:
             await self._bounded(self._ep.recv(body), timeout, "receive")
         return decode_body(body)
 
     async def send_payloads(self, buffers: Sequence[Any], timeout: float = DEFAULT_TIMEOUT) -> None:
-        """Send each non-empty buffer as its own UCX message, all posted at once."""
-        sends = [self._ep.send(b) for b in buffers if _nbytes(b)]
-        if sends:
-            await self._bounded(_gather(sends), timeout, "payload send")
+        """Send the non-empty buffers as the messages :func:`payload_plan` gives their sizes.
+
+        The peer calls :meth:`recv_payloads` with buffers of the same sizes.
+        Buffers must be C-contiguous host memory.
+        """
+        items = [b for b in buffers if _nbytes(b)]
+        sending, self._sending = self._sending, None
+        if items or sending is not None:
+            await self._bounded(self._after_sent(sending, self._send_groups(items)), timeout, "payload send")
 
     async def recv_payloads(self, buffers: Sequence[Any], timeout: float = DEFAULT_TIMEOUT) -> None:
-        """Receive one UCX message into each non-empty buffer, in order, all posted at once."""
-        recvs = [self._ep.recv(b) for b in buffers if _nbytes(b)]
-        if recvs:
-            await self._bounded(_gather(recvs), timeout, "payload receive")
+        """Receive into the non-empty buffers, in order, the messages :func:`payload_plan` gives their sizes.
+
+        On a failure or timeout the endpoint is aborted before the error is
+        raised: nothing lands in a buffer later. A group's message shorter
+        than the group never hands on bytes it did not carry (see
+        :meth:`_recv_group`).
+        """
+        items = [b for b in buffers if _nbytes(b)]
+        sending, self._sending = self._sending, None
+        if items or sending is not None:
+            await self._bounded(self._after_sent(sending, self._recv_groups(items)), timeout, "payload receive")
+
+    async def _send_groups(self, items: list[Any]) -> None:
+        sizes = [_nbytes(b) for b in items]
+        inflight: collections.deque[tuple[asyncio.Future[Any], bytearray | None]] = collections.deque()
+        staged = 0
+        try:
+            for start, end in payload_plan(sizes):
+                stage = None
+                if end - start == 1:
+                    source: Any = items[start]
+                else:
+                    source = _span(items[start:end], sizes[start:end])
+                    if source is None:  # gather
+                        total = sum(sizes[start:end])
+                        stage = _take_staging(total)
+                        source = memoryview(stage)[:total]
+                        offset = 0
+                        for buf, n in zip(items[start:end], sizes[start:end]):
+                            source[offset:offset + n] = _byte_view(buf)
+                            offset += n
+                inflight.append((_request(self._ep.send(source)), stage))
+                if stage is not None:
+                    staged += 1
+                while staged >= STAGED_WINDOW:
+                    task, done = inflight.popleft()
+                    await task
+                    if done is not None:
+                        staged -= 1
+                        _give_staging(done)
+                if stage is not None:
+                    await asyncio.sleep(0)  # a gather held the loop: let others run between groups
+            while inflight:
+                task, done = inflight.popleft()
+                await task
+                if done is not None:
+                    _give_staging(done)
+        except BaseException:
+            self.abort()  # before anything else: no request of this call runs on, staging is dropped
+            raise
+
+    async def _recv_groups(self, items: list[Any]) -> None:
+        sizes = [_nbytes(b) for b in items]
+        canary = os.urandom(_CANARY)
+        inflight: collections.deque[tuple[Any, ...]] = collections.deque()
+        staged = 0
+        try:
+            for start, end in payload_plan(sizes):
+                if end - start == 1:  # alone: straight into its buffer (a short message is the sender's loss)
+                    inflight.append((_request(self._ep.recv(items[start])), start, end, None, None))
+                    continue
+                stage = None
+                span = _span(items[start:end], sizes[start:end], writable=True)
+                if span is None:
+                    total = sum(sizes[start:end])
+                    stage = _take_staging(total)
+                    target = memoryview(stage)[:total]
+                    staged += 1
+                else:
+                    target = memoryview(span).cast("B")
+                _set_canaries(target, sizes[start:end], canary)
+                inflight.append((_request(self._ep.recv(target)), start, end, target, stage))
+                while staged >= STAGED_WINDOW:
+                    entry = inflight.popleft()
+                    await self._recv_group(entry, items, sizes, canary, later=bool(inflight))
+                    if entry[4] is not None:
+                        staged -= 1
+            while inflight:
+                entry = inflight.popleft()
+                await self._recv_group(entry, items, sizes, canary, later=bool(inflight))
+        except BaseException:
+            self.abort()  # first: no receive of this call lands later (staging in flight is dropped)
+            raise
+
+    async def _recv_group(self, entry: tuple[Any, ...], items: list[Any], sizes: list[int], canary: bytes,
+                          later: bool) -> None:
+        """Complete one posted receive; scatter a staged group.
+
+        UCX does not say how long a received message was. So each buffer of a
+        group gets a random canary in its last bytes before the receive is
+        posted: a buffer whose canary was overwritten was reached by the
+        message, and the message (one contiguous prefix of the group) then
+        covered it whole. When the message stopped short (a peer that sent the
+        group's blocks one message each, say), the rest of the group is
+        received as the next message; unless a later receive of this call is
+        already posted (the next message would land there): then the stream is
+        out of step and this is a :class:`ProtocolError`.
+        """
+        task, start, end, target, stage = entry
+        await task
+        if target is None:
+            return
+        group = sizes[start:end]
+        offset = _first_short(target, group, canary)
+        while offset is not None:
+            if later:
+                raise ProtocolError(f"a payload message from {self.peer} was shorter than its group")
+            await _request(self._ep.recv(target[offset:]))
+            rest = _first_short(target[offset:], _sizes_from(group, offset), canary)
+            offset = None if rest is None else offset + rest
+        if stage is not None:
+            offset = 0
+            for buf, n in zip(items[start:end], group):
+                _byte_view(buf)[:] = target[offset:offset + n]
+                offset += n
+            _give_staging(stage)
 
     async def send_raw(self, data: bytes, timeout: float = DEFAULT_TIMEOUT) -> None:
-        """Send bytes with no framing (tests of the node's defences use this)."""
+        """Send bytes as one UCX message with no framing (tests of the node's defences use this).
+
+        The node reads such a message as a frame: a header alone (flags 0)
+        announces a body to follow as the next message.
+        """
+        await self._settle(timeout)
         await self._bounded(self._ep.send(data), timeout, "send")
 
     def abort(self) -> None:
-        """Close at once; outstanding UCX requests are cancelled. Idempotent."""
+        """Close at once; outstanding UCX requests are cancelled. Idempotent.
+
+        The one exception: a control message still leaving (a reply sent just
+        before, say an error reply) is given :data:`SEND_LINGER` seconds to
+        go first. No receive of this connection is outstanding then (every
+        operation waits for that send), so nothing can land later.
+        """
         if self._closed:
             return
         self._closed = True
         _live.discard(self)
         ep, self._ep = self._ep, None
-        if ep is not None:
-            try:
-                ep.abort(period=CLOSE_PERIOD_NS)
-            except Exception as exc:  # noqa: BLE001 - closing must not raise
-                log.debug("abort of %s: %s", self.peer, exc)
+        sending, self._sending = self._sending, None
+        if ep is None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not on a loop: no one could wait for the send
+            loop = None
+        if sending is not None and not sending.done() and loop is not None:
+            later = loop.call_later(SEND_LINGER, _abort_endpoint, ep, self.peer)
+
+            def sent(_: asyncio.Future[Any]) -> None:
+                later.cancel()
+                _abort_endpoint(ep, self.peer)
+
+            sending.add_done_callback(sent)
+            return
+        _abort_endpoint(ep, self.peer)
 
     async def close(self) -> None:
         """Close gracefully (flush, then abort). Idempotent."""
+        if self._closed:
+            return
+        sending, self._sending = self._sending, None
+        if sending is not None and not sending.done():  # let the last message leave first (bounded)
+            with contextlib.suppress(Exception, TimeoutError):
+                async with asyncio.timeout(SEND_LINGER):
+                    await asyncio.shield(sending)
         if self._closed:
             return
         ep = self._ep
@@ -272,8 +497,116 @@ class Connection:
                 pass
 
 
+def _abort_endpoint(ep: Any, peer: str) -> None:
+    try:
+        ep.abort(period=CLOSE_PERIOD_NS)
+    except Exception as exc:  # noqa: BLE001 - closing must not raise
+        log.debug("abort of %s: %s", peer, exc)
+
+
 def _nbytes(buffer: Any) -> int:
     return memoryview(buffer).nbytes if not hasattr(buffer, "nbytes") else int(buffer.nbytes)
+
+
+def payload_plan(sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """The UCX messages that carry buffers of ``sizes`` (none empty): ``(start, end)`` index ranges.
+
+    Deterministic from the sizes alone, so sender and receiver agree: a buffer
+    of :data:`DIRECT_MIN` bytes or more, or of fewer than 8, is a message of
+    its own; consecutive others are grouped, up to :data:`GROUP_BYTES` a group.
+    """
+    plan: list[tuple[int, int]] = []
+    start, total = -1, 0
+    for i, n in enumerate(sizes):
+        if n >= DIRECT_MIN or n < _CANARY:
+            if start >= 0:
+                plan.append((start, i))
+                start = -1
+            plan.append((i, i + 1))
+            continue
+        if start >= 0 and total + n > GROUP_BYTES:
+            plan.append((start, i))
+            start = -1
+        if start < 0:
+            start, total = i, 0
+        total += n
+    if start >= 0:
+        plan.append((start, len(sizes)))
+    return plan
+
+
+def _byte_view(buffer: Any) -> memoryview:
+    """A flat byte view of a C-contiguous host buffer (buffer protocol or ``__array__``)."""
+    try:
+        view = memoryview(buffer)
+    except TypeError:
+        view = memoryview(np.ascontiguousarray(np.asarray(buffer)))
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _span(buffers: Sequence[Any], sizes: Sequence[int], writable: bool = False) -> Any | None:
+    """One buffer object covering ``buffers`` when they lie back to back in host memory, else None.
+
+    The span borrows their memory: the caller keeps ``buffers`` referenced
+    while it is in use.
+    """
+    first = Array(buffers[0])
+    if first.cuda or not first.c_contiguous or (writable and first.readonly):
+        return None
+    base = end = first.ptr
+    end += sizes[0]
+    for buf, n in zip(buffers[1:], sizes[1:]):
+        arr = Array(buf)
+        if arr.ptr != end or arr.cuda or not arr.c_contiguous or (writable and arr.readonly):
+            return None
+        end += n
+    return (ctypes.c_char * (end - base)).from_address(base)
+
+
+def _set_canaries(target: memoryview, sizes: Sequence[int], canary: bytes) -> None:
+    offset = 0
+    for n in sizes:
+        offset += n
+        target[offset - _CANARY:offset] = canary
+
+
+def _first_short(target: memoryview, sizes: Sequence[int], canary: bytes) -> int | None:
+    """Offset of the first buffer in ``target`` whose canary is intact (the message stopped short of it)."""
+    offset = 0
+    for n in sizes:
+        if target[offset + n - _CANARY:offset + n] == canary:
+            return offset
+        offset += n
+    return None
+
+
+def _sizes_from(sizes: Sequence[int], offset: int) -> list[int]:
+    """The sizes of the buffers from the one starting at ``offset`` on."""
+    at = 0
+    for i, n in enumerate(sizes):
+        if at == offset:
+            return list(sizes[i:])
+        at += n
+    raise ValueError(f"no buffer starts at {offset}")
+
+
+def _take_staging(nbytes: int) -> bytearray:
+    if nbytes <= GROUP_BYTES:
+        return _staging.pop() if _staging else bytearray(GROUP_BYTES)
+    return bytearray(nbytes)
+
+
+def _give_staging(stage: bytearray) -> None:
+    """Keep a staging buffer whose request completed (never one that may still be written)."""
+    if len(stage) == GROUP_BYTES and len(_staging) < _STAGING_KEEP:
+        _staging.append(stage)
+
+
+def _request(awaitable: Awaitable[Any]) -> asyncio.Future[Any]:
+    """A task for one UCX request whose failure keeps none of its buffers (see _drop_traceback)."""
+    task = asyncio.ensure_future(awaitable)
+    task.add_done_callback(_drop_task_traceback)
+    return task
 
 
 # ucxx completes each request through a Python future that its C++ side keeps referenced after
@@ -298,14 +631,6 @@ def _drop_traceback(exc: BaseException | None) -> None:
 def _drop_task_traceback(task: asyncio.Future[Any]) -> None:
     if not task.cancelled():
         _drop_traceback(task.exception())
-
-
-async def _gather(awaitables: Sequence[Awaitable[Any]]) -> list[Any]:
-    """``asyncio.gather``, whose requests that fail (even after the first failure) keep none of their buffers."""
-    tasks = [asyncio.ensure_future(a) for a in awaitables]
-    for task in tasks:
-        task.add_done_callback(_drop_task_traceback)
-    return await asyncio.gather(*tasks)
 
 
 # ucxx's handshake posts a stream receive into a buffer of its own and, when its own

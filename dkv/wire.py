@@ -1,35 +1,63 @@
 """The wire protocol: frame header, msgpack bodies, and validation before allocation.
 
-Every control message travels as two UCX messages on the connection's tag: a
-fixed 16-byte header, then a msgpack body of exactly the announced length.
-The header is checked (magic, protocol version, length bound) before the body
-buffer is allocated, and the body is decoded with msgpack's own length limits,
-then checked field by field against the op's schema. Block bytes never pass
-through msgpack: after a ``read`` reply the node sends each block as its own
-UCX message straight from its arena slot, and after a ``write`` reply the
-client sends each accepted block the same way into the slot the node reserved.
+Every control message starts with a fixed 16-byte header (magic, protocol
+version, flags, body length). A body of at most ``INLINE_MAX`` bytes (see
+:mod:`dkv.transport`) travels in the same UCX message, after the header, with
+flag ``FLAG_INLINE``; a larger one follows as a second UCX message of exactly
+the announced length. The receiver posts one fixed-size receive for the first
+message, and checks the header (magic, version, known flags, length bound)
+before any larger buffer is allocated; the body is decoded with msgpack's own
+length limits, then checked field by field against the op's schema. Block
+bytes never pass through msgpack: after a ``read`` reply the node sends the
+blocks, and after a ``write`` reply the client sends the accepted blocks, as
+a sequence of UCX messages both sides derive from the block sizes alone
+(:func:`dkv.transport.payload_plan`: small blocks batched into one message,
+large ones each in their own), straight from and into arena slots where
+they lie back to back.
 
 Handshake (mutual: each side proves the credential over the other's nonce)::
 
-    node   → client   {"t": "challenge", "v": 2, "nonce": <16 bytes>, "node": id,
+    node   → client   {"t": "challenge", "v": 3, "nonce": <16 bytes>, "node": id,
                        "local": path of a tokenless node's credential file | None}
-    client → node     {"op": "hello", "v": 2, "ns": namespace, "client": id,
+    client → node     {"op": "hello", "v": 3, "ns": namespace, "client": id,
                        "tenant": tenant name | None (None: the cluster credential),
                        "cnonce": <16 bytes>, "proof": client_proof(...) | None, "host": host id}
     node   → client   {"ok": true, "node": id, "epoch": str, "host": host id,
                        "proof": node_proof(...), "limits": {...},
-                       "shm": {"socket", "ticket", "access"} | None}
+                       "shm": {"socket", "ticket", "access", "control"} | None}
 
 ``shm`` is offered only to a client on the node's host: redeeming the
 one-time ``ticket`` on the node's Unix socket (:mod:`dkv.handover`) hands
 over the client's own namespace segment by file descriptor, read-only for a
 read-only credential, and only then may the connection use ``shm`` reads and
-writes.
+writes. ``control`` names the node's control socket (:mod:`dkv.local_channel`):
+the same protocol, framed the same way, over an abstract Unix stream socket,
+where a same-host client opens its connections once it has met the node over
+UCX (it checks that the node id and epoch there are the same).
 
 Ops after the handshake (each answered by ``{"ok": true, ...}`` or
 ``{"ok": false, "code": str, "msg": str}``): ``lookup``, ``probe``, ``read``,
-``done``, ``write``, ``commit``, ``abort``, ``touch``, ``release``, ``stats``,
-``clear``.
+``done``, ``write``, ``commit``, ``abort``, ``touch``, ``release``, ``end``,
+``stats``, ``clear``.
+
+One round trip per same-host load: a leased ``lookup`` with ``"slots": true``
+on a connection handed its segment is answered with ``"slots"`` as well, per
+leaf ``[offsets, sizes, sums]`` over hashes x shards (offsets and sizes as
+native int64 arrays, sums as 16-byte checksums back to back; offset ``-1``
+where the lease holds no block or the block has no checksum). The client
+copies those slots itself under the lease's pins and checks every copied
+block against its checksum: a match proves the bytes are the block's, so no
+``read``/``done`` is needed; a block that does not match (the lease ended
+meanwhile, and its slot was reused) is read the two-step way below, which
+tells an ended lease from corruption. A client copies only while it knows
+the lease live (before its TTL, before its own next lookup of the group or
+release); otherwise it reads the two-step way, which the node refuses.
+
+The client then ends the lease without a round trip of its own: any request
+after the handshake may carry ``"ends"``, a list of (at most 1024) lease ids
+the client loaded from; before the op itself, the node stamps those leases'
+blocks as one use and ends them. A client with no request to send soon sends
+an empty ``end`` op to carry them.
 
 Reads pin for themselves: a ``read`` takes its own pins on its blocks (and,
 with ``end``, ends its lease at once), held until the bytes have left. On the
@@ -68,10 +96,12 @@ from dkv.checksum import is_checksum
 from dkv.errors import FrameTooLarge, ProtocolError
 from dkv.keys import HASH_LENGTHS, MAX_LEAF_ID_LENGTH, MAX_TP_SHARDS, check_namespace
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: bodies inline with their header (FLAG_INLINE), batched payload messages
 MAGIC = b"dKV\x01"
 HEADER = struct.Struct("<4sHHII")  # magic, protocol version, flags, body length, reserved
 HEADER_SIZE = HEADER.size
+FLAG_INLINE = 0x1  # the body follows the header in the same UCX message (else: as the next message)
+HEADER_FLAGS = FLAG_INLINE  # every flag this side knows; a header with another is refused
 MAX_FRAME = 8 * 2**20
 MAX_KEYS = 65536
 MAX_LEAVES = 64
@@ -86,22 +116,33 @@ _UNPACK_LIMITS = dict(
 )
 
 
-def encode_header(body_length: int) -> bytes:
+def encode_header(body_length: int, flags: int = 0) -> bytes:
+    """A header announcing ``body_length`` bytes; ``flags`` 0 (body as the next message) or ``FLAG_INLINE``."""
     if body_length > MAX_FRAME:
         raise FrameTooLarge(f"frame of {body_length} bytes exceeds the {MAX_FRAME}-byte bound")
-    return HEADER.pack(MAGIC, PROTOCOL_VERSION, 0, body_length, 0)
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, flags, body_length, 0)
 
 
-def decode_header(raw: bytes | bytearray | memoryview, max_frame: int = MAX_FRAME) -> int:
-    """Body length announced by a header; :class:`ProtocolError` if the header is not ours."""
-    magic, version, _flags, length, _reserved = HEADER.unpack(bytes(raw))
+def decode_header(raw: bytes | bytearray | memoryview, max_frame: int = MAX_FRAME, *,
+                  with_flags: bool = False) -> int | tuple[int, int]:
+    """Body length announced by a header (``raw`` may run on: only its first HEADER_SIZE bytes count).
+
+    With ``with_flags``, ``(length, flags)``. :class:`ProtocolError` if the
+    header is not ours (or carries a flag this side does not know),
+    :class:`FrameTooLarge` over ``max_frame``.
+    """
+    if len(raw) < HEADER_SIZE:
+        raise ProtocolError(f"frame header of {len(raw)} bytes, not {HEADER_SIZE}")
+    magic, version, flags, length, _reserved = HEADER.unpack_from(raw)
     if magic != MAGIC:
         raise ProtocolError("bad frame magic: not a dKV peer, or a garbled stream")
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {version} not supported (this side speaks {PROTOCOL_VERSION})")
+    if flags & ~HEADER_FLAGS:
+        raise ProtocolError(f"unknown frame flags {flags:#x}")
     if length > max_frame:
         raise FrameTooLarge(f"frame of {length} bytes exceeds the {max_frame}-byte bound")
-    return length
+    return (length, flags) if with_flags else length
 
 
 def encode_body(message: Mapping[str, Any]) -> bytes:
@@ -177,6 +218,13 @@ def _sums(v: object) -> bool:
     return isinstance(v, list) and len(v) <= MAX_KEYS and all(is_checksum(x) for x in v)
 
 
+MAX_ENDS = 1024  # leases one request may end besides its own work (see "ends")
+
+
+def _lease_ids(v: object) -> bool:
+    return isinstance(v, list) and len(v) <= MAX_ENDS and all(_is_id(x) for x in v)
+
+
 class _Optional:
     """A schema field that may be absent (see :func:`optional`); validated like any other when present."""
 
@@ -213,7 +261,7 @@ SCHEMAS: dict[str, dict[str, Callable[[object], bool]]] = {
     "hello": {"v": _int(0, 1 << 16), "ns": _namespace, "client": _short_str, "proof": _optional_bytes,
               "host": _short_str, "cnonce": lambda v: isinstance(v, bytes) and len(v) == NONCE_SIZE,
               "tenant": lambda v: v is None or (isinstance(v, str) and 0 < len(v) <= 64)},
-    "lookup": {**_PRESENCE, "lease": _is_bool, "group": _int(0, 1 << 20)},
+    "lookup": {**_PRESENCE, "lease": _is_bool, "group": _int(0, 1 << 20), "slots": optional(_is_bool)},
     "probe": _PRESENCE,
     "touch": _PRESENCE,
     "read": {"lease": _is_id, "keys": _keys, "end": _is_bool, "shm": _is_bool},
@@ -221,6 +269,7 @@ SCHEMAS: dict[str, dict[str, Callable[[object], bool]]] = {
     "commit": {"write": _is_id},
     "abort": {"write": _is_id},
     "release": {"lease": _is_id},
+    "end": {},
     "done": {"read": _is_id},
     "stats": {},
     "clear": {},
@@ -233,6 +282,8 @@ def check_request(message: dict[str, Any]) -> str:
     schema = SCHEMAS.get(op) if isinstance(op, str) else None
     if schema is None:
         raise ProtocolError(f"unknown op {op!r}")
+    if "ends" in message and op != "hello" and not _lease_ids(message["ends"]):
+        raise ProtocolError(f"{op}: field 'ends' is malformed or out of bounds")
     for name, valid in schema.items():
         if name not in message:
             if isinstance(valid, _Optional):

@@ -10,6 +10,7 @@ another block's.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -17,12 +18,12 @@ import pytest
 
 from dkv.arena import SegmentMapping
 from dkv.client import handshake as handshake_as_client
-from dkv.errors import ReadNotIntact
+from dkv.errors import LeaseExpired, ReadNotIntact
 from dkv.handover import redeem
 from dkv.keys import BlockKey
 from dkv.transport import connect
 from dkv.units import parse_address
-from tests.conftest import NAMESPACE, OnUcx, on_ucx
+from tests.conftest import NAMESPACE, OnUcx, node_stats, on_ucx
 
 BLOCK = 4 * 2**20
 POOL = "64MiB"  # 16 blocks
@@ -122,7 +123,7 @@ async def test_same_host_copy_that_outlives_its_read_is_failed_not_delivered(nod
     node = node_factory("--pool", POOL, "--read-ttl", "1")
     writer = clients(node.address, local=False)
     hashes, data = await _stored_blocks(writer)
-    reader = clients(node.address, local=True)
+    reader = clients(node.address, local=True, checksums=False)  # without checksums: the two-step read, then done
     found = await reader.lookup(hashes, ["L"])
     assert reader.uses_shared_memory
     mapping = reader._target._mapping  # noqa: SLF001 - slow the copy down past the read's TTL
@@ -151,3 +152,57 @@ async def test_reading_connection_that_closes_mid_read_leaves_no_pin(node_factor
     assert "read" in reply
     reader.abort()  # never sends done: the node drops the read's pins with the connection
     # node_factory's teardown requires no lease, reservation or pinned block left
+
+
+async def test_same_host_load_takes_one_round_trip_and_ends_its_lease_without_one(node_factory, clients) -> None:
+    node = node_factory("--pool", POOL)
+    writer = clients(node.address, local=False)
+    hashes, data = await _stored_blocks(writer)
+    reader = clients(node.address, local=True)
+    found = await reader.lookup(hashes, ["L"])
+    dests = [bytearray(BLOCK) for _ in range(HELD)]
+    await reader.read(found.lease_id, [BlockKey("L", 0, h) for h in hashes], dests)
+    assert [bytes(d) for d in dests] == data
+    assert reader.fast_reads == 1  # copied under the lookup's lease, proven by the checksums
+    stats = await node_stats(node.address)
+    assert "read" not in stats["ops"] and "done" not in stats["ops"], stats["ops"]
+    for _ in range(100):  # no lookup follows: the client ends the lease with an "end" request shortly
+        stats = await node_stats(node.address)
+        if stats["leases"] == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert stats["leases"] == 0 and stats["pinned_blocks"] == 0, stats
+    assert stats["ops"].get("end") == 1
+
+
+async def test_same_host_load_ends_its_lease_with_the_next_lookup(node_factory, clients, monkeypatch) -> None:
+    monkeypatch.setattr("dkv.client.END_FLUSH_DELAY", 600.0)  # no "end" request of its own: only the lookup's
+    node = node_factory("--pool", POOL)
+    writer = clients(node.address, local=False)
+    hashes, data = await _stored_blocks(writer)
+    reader = clients(node.address, local=True)
+    found = await reader.lookup(hashes, ["L"], group=1)
+    dests = [bytearray(BLOCK) for _ in range(HELD)]
+    await reader.read(found.lease_id, [BlockKey("L", 0, h) for h in hashes], dests)
+    again = await reader.lookup(hashes[:1], ["L"], group=2)  # another group: only the carried end ends it
+    stats = await node_stats(node.address)
+    assert stats["leases"] == 1 and stats["pinned_blocks"] == 1, stats  # only the new lookup's lease
+    assert "end" not in stats["ops"], stats["ops"]
+    await reader.release(again.lease_id)
+
+
+async def test_same_host_copy_of_reused_slots_fails_its_checksum_and_falls_back_never_delivering(
+        node_factory, clients) -> None:
+    node = node_factory("--pool", POOL)
+    writer = clients(node.address, local=False)
+    hashes, data = await _stored_blocks(writer)
+    reader = clients(node.address, local=True)
+    found = await reader.lookup(hashes, ["L"])
+    assert await reader.release(found.lease_id)  # the lease ends before the load: its slots may be reused
+    assert await writer.clear() == HELD
+    filler = [BlockKey("L", 0, os.urandom(32)) for _ in range(16)]
+    assert (await writer.write(filler, [b"\xee" * BLOCK] * 16)).stored == 16  # the whole pool: every slot reused
+    dests = [bytearray(BLOCK) for _ in range(HELD)]
+    with pytest.raises(LeaseExpired):  # the copy failed its checksums; the two-step read found no lease
+        await reader.read(found.lease_id, [BlockKey("L", 0, h) for h in hashes], dests)
+    assert reader.fast_reads == 0

@@ -33,3 +33,228 @@ def test_a_client_that_stalls_its_handshake_and_then_completes_it_leaves_the_nod
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert late.returncode == 0 and late.stdout.strip().endswith("OK"), late.stdout + late.stderr[-3000:]
     assert node.alive()
+
+
+# ---- framing and payload batching, over a loopback pair in this process --------------------------
+
+import asyncio  # noqa: E402
+import contextlib  # noqa: E402
+from collections.abc import AsyncIterator, Awaitable, Callable  # noqa: E402
+from contextlib import asynccontextmanager  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from dkv import transport  # noqa: E402
+from dkv.errors import DKVError, FrameTooLarge, ProtocolError  # noqa: E402
+from dkv.wire import FLAG_INLINE, HEADER, MAGIC, MAX_FRAME, PROTOCOL_VERSION, encode_body, encode_header  # noqa: E402
+from tests.conftest import on_ucx  # noqa: E402
+
+KIB = 1024
+
+
+@asynccontextmanager
+async def _pair() -> AsyncIterator[tuple[transport.Connection, transport.Connection]]:
+    """A connected (client, server) pair through a listener of this process (run on the UCX loop)."""
+    accepted: asyncio.Queue[transport.Connection] = asyncio.Queue()
+
+    async def handler(conn: transport.Connection) -> None:
+        await accepted.put(conn)
+
+    listener = transport.Listener(handler)
+    client = server = None
+    try:
+        client = await transport.connect("127.0.0.1", listener.port)
+        server = await asyncio.wait_for(accepted.get(), 10)
+        yield client, server
+    finally:
+        for conn in (client, server):
+            if conn is not None:
+                conn.abort()
+        listener.close()
+
+
+def _run(test: Callable[[transport.Connection, transport.Connection], Awaitable[Any]]) -> Any:
+    async def body() -> Any:
+        async with _pair() as (client, server):
+            return await test(client, server)
+
+    return on_ucx(body())
+
+
+def test_payload_plan_groups_small_buffers_and_sends_large_or_tiny_ones_alone() -> None:
+    group, direct = transport.GROUP_BYTES, transport.DIRECT_MIN
+    assert transport.payload_plan([]) == []
+    assert transport.payload_plan([64 * KIB] * 3) == [(0, 3)]
+    per_group = group // (64 * KIB)
+    assert transport.payload_plan([64 * KIB] * (per_group + 1)) == [(0, per_group), (per_group, per_group + 1)]
+    assert transport.payload_plan([100, direct, 100, 100, 3, 100]) == [(0, 1), (1, 2), (2, 4), (4, 5), (5, 6)]
+    sizes = [1 + (i * 7919) % (300 * KIB) for i in range(200)]
+    plan = transport.payload_plan(sizes)
+    assert plan == transport.payload_plan(list(sizes)), "deterministic from the sizes"
+    assert [i for a, b in plan for i in range(a, b)] == list(range(len(sizes))), "every buffer once, in order"
+    assert all(b - a == 1 or sum(sizes[a:b]) <= group for a, b in plan)
+
+
+@pytest.mark.parametrize("body_size", [0, 100, transport.INLINE_MAX - 64, transport.INLINE_MAX + 1, 3 * 2**20])
+async def test_messages_inline_or_split_arrive_whole(body_size: int) -> None:
+    async def check(client: transport.Connection, server: transport.Connection) -> None:
+        message = {"op": "x", "pad": os.urandom(body_size)}
+        _, got = await asyncio.gather(client.send_message(message), server.recv_message())  # big: rendezvous
+        assert got == message
+        await server.send_message({"ok": True})
+        assert await client.recv_message() == {"ok": True}
+
+    await _run(check)
+
+
+async def test_a_header_and_a_body_sent_as_two_raw_messages_read_as_one_frame() -> None:
+    async def check(client: transport.Connection, server: transport.Connection) -> None:
+        body = encode_body({"op": "raw"})
+        await client.send_raw(encode_header(len(body)))
+        await client.send_raw(body)
+        assert await server.recv_message() == {"op": "raw"}
+        await client.send_raw(encode_header(len(body), FLAG_INLINE) + body)
+        assert await server.recv_message() == {"op": "raw"}
+
+    await _run(check)
+
+
+@pytest.mark.parametrize("header, error", [
+    (HEADER.pack(MAGIC, PROTOCOL_VERSION, 0, MAX_FRAME + 1, 0), FrameTooLarge),
+    (HEADER.pack(MAGIC, PROTOCOL_VERSION, FLAG_INLINE, transport.INLINE_MAX + 1, 0), ProtocolError),
+    (HEADER.pack(MAGIC, PROTOCOL_VERSION, 0x80, 10, 0), ProtocolError),
+    (HEADER.pack(MAGIC, PROTOCOL_VERSION - 1, 0, 10, 0), ProtocolError),
+    (b"\x00", ProtocolError),
+], ids=["oversized", "inline-oversized", "unknown-flag", "old-version", "short"])
+async def test_bad_headers_are_refused_before_any_body_buffer(header: bytes, error: type[Exception]) -> None:
+    async def check(client: transport.Connection, server: transport.Connection) -> None:
+        allocated = []
+        real_mmap = transport.mmap.mmap
+
+        def spy(*args: Any) -> Any:
+            allocated.append(args)
+            return real_mmap(*args)
+
+        transport.mmap.mmap = spy
+        try:
+            await client.send_raw(header)
+            with pytest.raises(error):
+                await server.recv_message(5)
+        finally:
+            transport.mmap.mmap = real_mmap
+        assert not allocated, "a body buffer was allocated for a refused header"
+
+    await _run(check)
+
+
+def _sources(sizes: list[int], adjacent: bool) -> list[Any]:
+    if adjacent:  # back to back in one buffer, as arena slots lie
+        whole = bytearray(os.urandom(sum(sizes)))
+        view, out, at = memoryview(whole), [], 0
+        for n in sizes:
+            out.append(view[at:at + n])
+            at += n
+        return out
+    return [os.urandom(n) for n in sizes]
+
+
+def _dests(sizes: list[int], adjacent: bool) -> list[Any]:
+    if adjacent:
+        whole = np.zeros(sum(sizes), dtype=np.uint8)
+        out, at = [], 0
+        for n in sizes:
+            out.append(whole[at:at + n])
+            at += n
+        return out
+    return [bytearray(n) for n in sizes]
+
+
+MIXED = [64 * KIB] * 20 + [0, 5, 3 * 2**20, 100, 0] + [200 * KIB] * 7 + [transport.DIRECT_MIN, 8, 9]
+
+
+@pytest.mark.parametrize("src_adjacent", [False, True], ids=["gathered", "spanned-source"])
+@pytest.mark.parametrize("dst_adjacent", [False, True], ids=["scattered", "spanned-dest"])
+async def test_payloads_of_mixed_sizes_arrive_bit_exact_both_ways(src_adjacent: bool, dst_adjacent: bool) -> None:
+    async def check(client: transport.Connection, server: transport.Connection) -> None:
+        for sender, receiver in ((server, client), (client, server)):
+            sources = _sources(MIXED, src_adjacent)
+            dests = _dests(MIXED, dst_adjacent)
+            await asyncio.gather(sender.send_payloads(sources), receiver.recv_payloads(dests))
+            assert [bytes(d) for d in dests] == [bytes(s) for s in sources]
+            assert not sender.closed and not receiver.closed
+        await client.send_message({"after": True})  # the stream is still in step
+        assert await server.recv_message() == {"after": True}
+
+    await _run(check)
+
+
+async def test_a_group_sent_one_block_per_message_is_still_received_whole() -> None:
+    async def check(client: transport.Connection, server: transport.Connection) -> None:
+        blocks = [os.urandom(64 * KIB) for _ in range(3)]
+        dests = [bytearray(64 * KIB) for _ in blocks]
+        receive = asyncio.ensure_future(server.recv_payloads(dests, 10))
+        for block in blocks:  # the old framing: one message per block
+            await client.send_raw(block)
+        await receive
+        assert [bytes(d) for d in dests] == blocks
+
+    await _run(check)
+
+
+async def test_a_short_group_message_with_a_later_receive_posted_fails_and_hands_on_nothing() -> None:
+    async def check(client: transport.Connection, server: transport.Connection) -> None:
+        per_group = transport.GROUP_BYTES // (64 * KIB)
+        dests = [bytearray(64 * KIB) for _ in range(per_group + 2)]  # two groups: both posted at once
+        receive = asyncio.ensure_future(server.recv_payloads(dests, 10))
+        await client.send_raw(os.urandom(64 * KIB))  # one block where a whole group was due
+        with contextlib.suppress(DKVError):  # the receiver may have aborted already: then this send fails
+            await client.send_raw(os.urandom(2 * 64 * KIB))
+        with pytest.raises(DKVError):
+            await receive
+        assert server.closed
+        assert all(not any(d) for d in dests), "no byte of a short group may reach a caller's buffer"
+
+    await _run(check)
+
+
+@pytest.mark.parametrize("dst_adjacent", [False, True], ids=["staged", "spanned-dest"])
+async def test_a_payload_receive_that_times_out_leaves_nothing_landing_later(dst_adjacent: bool) -> None:
+    async def check(client: transport.Connection, server: transport.Connection) -> None:
+        sizes = [64 * KIB] * 8 + [transport.DIRECT_MIN]
+        dests = _dests(sizes, dst_adjacent)
+        with pytest.raises(DKVError, match="timed out"):
+            await server.recv_payloads(dests, 0.3)
+        assert server.closed, "the endpoint is aborted before the timeout is raised"
+        before = [bytes(d) for d in dests]  # (a group received in place may hold its canaries)
+        try:
+            await client.send_payloads([os.urandom(n) for n in sizes], 2)  # the late bytes
+        except DKVError:
+            pass  # the peer is gone: fine
+        await asyncio.sleep(0.5)
+        assert [bytes(d) for d in dests] == before, "a late payload landed in a buffer after the timeout"
+
+    await _run(check)
+
+
+async def test_a_reply_sent_just_before_an_abort_still_reaches_the_peer() -> None:
+    async def check(client: transport.Connection, server: transport.Connection) -> None:
+        await server.send_message({"ok": False, "code": "protocol", "msg": "bye"})
+        server.abort()  # at once, as a node does after an error reply
+        assert server.closed
+        assert (await client.recv_message(5))["msg"] == "bye"
+
+    await _run(check)
+
+
+async def test_a_send_to_a_peer_that_went_away_fails_at_the_next_operation_within_its_bound() -> None:
+    async def check(client: transport.Connection, server: transport.Connection) -> None:
+        server.abort()
+        with pytest.raises(DKVError):
+            for _ in range(3):  # the first may still be posted before the peer's end is known
+                await client.send_message({"op": "x", "pad": os.urandom(100)}, 2)
+                await client.recv_message(2)
+        assert client.closed
+
+    await _run(check)

@@ -1,0 +1,111 @@
+"""Same-host loads in one round trip: copy a lease's slots straight out of the mapped segment.
+
+A leased ``lookup`` asked with ``"slots"`` on a connection that was handed its
+namespace's segment comes back with where each leased block lies (see
+:mod:`dkv.wire`). :class:`LeaseSlots` keeps that answer; :meth:`LeaseSlots.copy`
+copies the requested blocks into the caller's buffers and checks each against
+the writer's checksum.
+
+Why no ``read``/``done`` round trips are needed: the lease pins the slots, so
+while it holds, the bytes cannot change. If it ended before the copy finished
+(its TTL, a later lookup of its group, a lease quota), a slot may have been
+reused, and then the copied bytes fail their checksum: :meth:`copy` answers
+False and the caller reads the two-step way, which pins for the read itself
+and tells an ended lease from corruption. A block without a checksum is never
+copied this way (the node announces offset ``-1``).
+
+Large copies run on a worker thread with a copy that releases the GIL, so
+the event loop and the engine's scheduler thread are not stalled by them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from dkv.arena import SegmentMapping
+from dkv.checksum import CHECKSUM_SIZE
+from dkv.checksum import verify as checksum_matches
+from dkv.errors import ProtocolError
+
+# Copies of at least this many bytes in all run on a worker thread (numpy's copy releases the GIL);
+# smaller ones cost less than the hop to the thread and back.
+OFF_LOOP_COPY_MIN = 1 << 20
+
+
+class LeaseSlots:
+    """A leased lookup's slot map for one mapping (built from the node's reply; see module docstring)."""
+
+    __slots__ = ("mapping", "shards", "live_until", "_hashes", "_index", "_slots")
+
+    def __init__(self, mapping: SegmentMapping, hashes: Sequence[bytes], shards: int, raw: Any, *,
+                 live_until: float) -> None:
+        """Parse the reply's ``slots``; :class:`ProtocolError` when they do not match the request.
+
+        ``live_until`` (``time.monotonic()``) is when the client must stop
+        trusting the lease: before the node's TTL ends it (the same clock on
+        the same host).
+        """
+        if not isinstance(raw, dict):
+            raise ProtocolError("slots must be a map")
+        count = len(hashes) * shards
+        slots: dict[str, tuple[np.ndarray, np.ndarray, bytes]] = {}
+        for leaf, entry in raw.items():
+            if not (isinstance(entry, list) and len(entry) == 3 and all(isinstance(x, bytes) for x in entry)):
+                raise ProtocolError(f"slots of leaf {leaf!r} are malformed")
+            offsets, sizes, sums = entry
+            if len(offsets) != 8 * count or len(sizes) != 8 * count or len(sums) != CHECKSUM_SIZE * count:
+                raise ProtocolError(f"slots of leaf {leaf!r} have the wrong length")
+            slots[leaf] = (np.frombuffer(offsets, dtype=np.int64), np.frombuffer(sizes, dtype=np.int64), sums)
+        self.mapping = mapping
+        self.shards = shards
+        self.live_until = live_until
+        self._hashes = hashes
+        self._index: dict[bytes, int] | None = None  # built on first use: most lookups are never loaded
+        self._slots = slots
+
+    def _plan(self, keys: Sequence[Any], views: Sequence[memoryview]) -> list[tuple[memoryview, int, bytes]] | None:
+        """Per key (view, offset, checksum); ``None`` when any key cannot be copied this way."""
+        if self._index is None:
+            self._index = {h: i for i, h in enumerate(self._hashes)}
+        index, shards, plan = self._index, self.shards, []
+        for key, view in zip(keys, views):
+            leaf, shard, block_hash = key[0], key[1], key[2]
+            entry = self._slots.get(leaf)
+            i = index.get(block_hash)
+            if entry is None or i is None or not 0 <= shard < shards:
+                return None
+            j = i * shards + shard
+            offset, size = int(entry[0][j]), int(entry[1][j])
+            if offset < 0 or size != view.nbytes or offset + size > self.mapping.size:
+                return None
+            plan.append((view, offset, entry[2][CHECKSUM_SIZE * j: CHECKSUM_SIZE * (j + 1)]))
+        return plan
+
+    async def copy(self, keys: Sequence[Any], views: Sequence[memoryview]) -> bool:
+        """Copy ``keys`` (``(leaf, shard, hash)``) into ``views``; True when every block matched its checksum.
+
+        False leaves the views holding garbage: the caller must read the blocks
+        the two-step way (or fail). Nothing writes into the views after this
+        returns.
+        """
+        plan = self._plan(keys, views)
+        if plan is None:
+            return False
+        total = sum(view.nbytes for view, _, _ in plan)
+        if total >= OFF_LOOP_COPY_MIN:
+            return await asyncio.to_thread(self._copy_and_verify, keys, plan)
+        return self._copy_and_verify(keys, plan)
+
+    def _copy_and_verify(self, keys: Sequence[Any], plan: list[tuple[memoryview, int, bytes]]) -> bool:
+        mapping = self.mapping
+        for key, (view, offset, checksum) in zip(keys, plan):
+            size = view.nbytes
+            if size:
+                np.copyto(np.frombuffer(view, dtype=np.uint8), np.frombuffer(mapping.slot(offset, size), dtype=np.uint8))
+            if not checksum_matches(key[0], key[1], key[2], view, checksum):
+                return False
+        return True
