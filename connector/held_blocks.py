@@ -10,15 +10,17 @@ in age: the node may evict a block without telling anyone, and a stale entry
 costs at most one skipped offload of a block the node since dropped, never
 wrong bytes.
 
-Thread-safe: read on the scheduler thread, taught on the loop thread.
+Thread-safe: read on the scheduler thread (:meth:`HeldBlocks.lacking` without a lock), taught on
+the loop thread.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 DEFAULT_CAPACITY = 65536  # (leaf, hash) pairs remembered
 DEFAULT_MAX_AGE = 30.0  # seconds an entry is trusted
@@ -60,6 +62,36 @@ class HeldBlocks:
                 del self._seen[(leaf, block_hash)]
                 return False
             return True
+
+    def lacking(self, leaf: str, hashes: Sequence[bytes]) -> list[int]:
+        """Indexes into ``hashes`` of the blocks of ``leaf`` the node is not known to hold (as :meth:`holds`).
+
+        The scheduler thread asks this per offload, so it takes no lock: the
+        writers (the loop thread) hold the lock through a whole batch, and a
+        reader that waited for it would wait for the loop thread to get the
+        GIL back. Each dict operation is atomic under the GIL, so a read
+        concurrent with :meth:`learn` sees each pair either learned or not,
+        which is all this advisory memory promises.
+        """
+        n = len(hashes)
+        seen = self._seen
+        if not seen:
+            return list(range(n))
+        learned = list(map(seen.get, zip(itertools.repeat(leaf, n), hashes)))
+        misses = learned.count(None)
+        if misses == n:  # the usual offload: new blocks, none known
+            return list(range(n))
+        oldest = self._clock() - self._max_age
+        if not misses and min(learned) >= oldest:  # type: ignore[type-var]
+            return []
+        keep = []
+        for i, when in enumerate(learned):
+            if when is None:
+                keep.append(i)
+            elif when < oldest:
+                seen.pop((leaf, hashes[i]), None)  # aged out (atomic; a concurrent learn may have renewed it)
+                keep.append(i)
+        return keep
 
     def __len__(self) -> int:
         return len(self._seen)

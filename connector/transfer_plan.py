@@ -19,6 +19,9 @@ import torch
 from connector.copy_engine import Rows
 from dkv.keys import HASH_LENGTHS, BlockKey, check_hash
 
+_BYTES = {bytes}
+_LENGTHS = frozenset(HASH_LENGTHS)
+
 
 @dataclass(frozen=True, slots=True)
 class LeafRun:
@@ -75,12 +78,11 @@ def plan_transfer(block_ids: Mapping[str, Sequence[int]], block_hashes: Mapping[
             raise ValueError(f"leaf {leaf!r}: {len(ids)} block ids for {len(hashes)} hashes")
         if not hashes:
             continue
-        for h in hashes:
-            if type(h) is not bytes or len(h) not in HASH_LENGTHS:
-                hashes = [check_hash(x) for x in hashes]  # raises the boundary's ValueError, or converts
-                break
+        # fast path, without a Python-level loop per block: plain bytes of valid lengths, kept as they are
+        if set(map(type, hashes)) != _BYTES or not _LENGTHS.issuperset(map(len, hashes)):
+            hashes = [check_hash(x) for x in hashes]  # raises the boundary's ValueError, or converts
         try:
-            rows = [operator.index(i) for i in ids]  # ints and numpy ints, never floats
+            rows = list(map(operator.index, ids))  # ints and numpy ints, never floats
         except TypeError:
             raise ValueError(f"leaf {leaf!r}: block ids must be integers") from None
         pages = int(tensors[0].shape[0])

@@ -1,0 +1,505 @@
+"""The connector's scheduler side: what the engine's scheduler thread decides, without I/O.
+
+:class:`SchedulerSide` holds the state and logic behind every
+:class:`~connector.dkv_connector.DKVConnector` call the engine makes: which
+node a request's hint names (:meth:`SchedulerSide.source`), which nodes to
+leave alone after they failed to answer (backoff), the lease each replica's
+last ``lookup()`` holds and the lease budget per node, the validation and
+planning of loads and offloads, what the co-located node is known to hold,
+and the counters and per-batch metrics. Nothing here sends, awaits or blocks:
+the worker side (:mod:`connector.worker_side`) moves the bytes on the loop
+thread and reports back through the methods marked "loop thread" or "any
+thread" (bookkeeping only, under the small locks noted).
+
+Cross-thread reads follow DESIGN §6: the router's member table and directory
+index are immutable snapshots swapped by reference on the loop thread; a call
+here reads one snapshot and keeps it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import itertools
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from connector.held_blocks import HeldBlocks
+from connector.lease_budget import LeaseBudget, Slot
+from connector.transfer_plan import LeafRun, TransferPlan, plan_transfer
+from connector.types import (
+    AttentionKind,
+    KVCacheMetrics,
+    KVLoadInvalid,
+    KVLoadRefused,
+    LeafSpec,
+)
+from dkv.errors import PeerUnauthenticated, TransportError
+from dkv.etcd import MemberRecord
+from dkv.hints import (
+    BEHIND_DEVICE,
+    PEER_UNREACHABLE,
+    UNAUTHENTICATED_PEER,
+    UNKNOWN_PEER,
+    UnusableHint,
+    resolve_hint,
+)
+from dkv.keys import check_hashes
+from dkv.router import Router
+from dkv.store import EXISTS, WRITE
+
+log = logging.getLogger("connector.dkv_connector")
+
+Masks = dict[str, list[bool]]
+LEASE_MARGIN = 0.5  # seconds: a lease closer than this to expiry is not loaded from
+HANDLE_GROUPS = (1024, 1 << 20)  # node lease groups for start_lookup handles
+DEFAULT_MAX_LEASES = 64  # a node's --max-leases when its handshake does not say
+UNREACHABLE_BACKOFF = 10.0  # seconds a node that failed to answer a lookup or a load is not asked again
+
+
+@dataclass
+class LeaseState:
+    """What a completed lookup found and holds. Built on the loop thread, then read-only."""
+
+    address: str  # node the lease lives on
+    lease_id: int | None
+    masks: Masks
+    hashes: list[bytes]
+    hint: bytes | None
+    expires_at: float
+    peer: bool  # True when the source is not the co-located node
+    generation: int = 0  # the client's lease generation when the lease was granted
+    slot: int | None = None  # its slot in the connector's lease budget on that node
+    # per leaf, the hashes the lookup reported: built once, where the lookup completes (the loop
+    # thread), so that a load checks its blocks against it without building anything
+    reported: dict[str, frozenset[bytes]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.reported:
+            self.reported = {leaf: frozenset(h for h, ok in zip(self.hashes, mask) if ok)
+                             for leaf, mask in self.masks.items()}
+
+    def blame(self, plan: TransferPlan) -> tuple[str, bytes]:
+        """Scheduler thread: the leaf and block to name when the whole lease is refused: the first block asked for."""
+        first = plan.runs[0]
+        return first.leaf, first.hashes[0]
+
+
+class DKVLookup:
+    """The handle :meth:`DKVConnector.start_lookup` returns. Any thread; never blocks.
+
+    ``is_complete()`` never blocks; ``result()`` gives the per-leaf masks once
+    complete (all False if the lookup failed: a failure is a miss, never an error).
+    """
+
+    def __init__(self, hashes: list[bytes], replica_idx: int, hint: bytes | None, group: int,
+                 future: concurrent.futures.Future[LeaseState | None]) -> None:
+        """Scheduler thread (:meth:`DKVConnector.start_lookup` makes it)."""
+        self.block_hashes = hashes
+        self.replica_idx = replica_idx
+        self.hint = hint
+        self.group = group
+        self._future = future
+        self._leaves: Sequence[str] = ()
+        self.consumed = False
+
+    def is_complete(self) -> bool:
+        """Any thread: whether the lookup has answered (never blocks)."""
+        return self._future.done()
+
+    done = is_complete
+
+    def state(self) -> LeaseState | None:
+        """Any thread: what the lookup found and holds; ``None`` before it answers or when it failed."""
+        future = self._future
+        if not future.done() or future.cancelled() or future.exception() is not None:
+            return None
+        return future.result()
+
+    def result(self) -> Masks:
+        """Any thread: the masks, exactly ``len(block_hashes)`` long per leaf. ``RuntimeError`` before completion."""
+        if not self._future.done():
+            raise RuntimeError("lookup has not completed: poll is_complete() first")
+        state = self.state()
+        if state is None:
+            return {leaf: [False] * len(self.block_hashes) for leaf in self._leaves}
+        return {leaf: list(mask) for leaf, mask in state.masks.items()}
+
+    @property
+    def masks(self) -> Masks:
+        """Any thread: :meth:`result`."""
+        return self.result()
+
+
+@dataclass
+class ConnectorCounters:
+    """dKV's own counters (beyond the protocol's :class:`KVCacheMetrics`)."""
+
+    lookups: int = 0
+    lookup_failures: int = 0
+    lookups_skipped: int = 0  # the co-located node failed to answer recently: a miss without asking
+    blocks_reported: int = 0
+    hits_local: int = 0
+    hits_peer: int = 0
+    loads: int = 0
+    loads_refused: int = 0
+    loads_failed: int = 0
+    checksum_failures: int = 0  # loads failed by their checksums (in loads_failed too); offloads the node refused
+    blocks_loaded: int = 0
+    offloads: int = 0
+    blocks_offloaded: int = 0
+    offloads_failed: int = 0
+    touches: int = 0
+    touches_dropped: int = 0  # MAX_BACKGROUND touches were already in flight
+    resets_coalesced: int = 0  # a reset asked while another was still waiting to start: that one does it
+    releases_dropped: int = 0  # past MAX_QUEUED_RELEASES waiting for one node: the oldest, long ended by it
+    peer_clients_closed: int = 0  # peer clients closed after PEER_IDLE_TIMEOUT unused
+    lookups_over_lease_budget: int = 0  # the node's max_leases were all held: a miss without asking
+    lookups_truncated: int = 0  # longer than one leased request may be (max_cost, max_keys): the tail was a miss
+    hints_behind_device: int = 0  # usable hints with nothing to add: the device already holds more
+    unusable_hints: Counter[str] = field(default_factory=Counter)
+
+
+def validate_device_blocks(leaves: Mapping[str, LeafSpec],
+                           device_blocks: Sequence[Mapping[str, Sequence[torch.Tensor]]]) -> int:
+    """Check the engine's device tensors against ``leaves``; returns the (common) TP shard count."""
+    if not device_blocks:
+        raise ValueError("device_blocks needs at least one replica")
+    shard_counts = {spec.tp_shards for spec in leaves.values()}
+    if len(shard_counts) != 1:
+        raise ValueError(f"every leaf must have the same TP shard count, got {sorted(shard_counts)}")
+    for replica in device_blocks:
+        if set(replica) != set(leaves):
+            raise ValueError(f"device_blocks leaves {sorted(replica)} differ from leaves {sorted(leaves)}")
+        for leaf, shards in replica.items():
+            if len(shards) != leaves[leaf].tp_shards:
+                raise ValueError(f"leaf {leaf!r}: {len(shards)} shard tensors for tp_shards="
+                                 f"{leaves[leaf].tp_shards}")
+            for t in shards:
+                if t.dtype != torch.uint8 or t.dim() != 2 or not t.is_contiguous():
+                    raise ValueError(f"leaf {leaf!r}: device blocks must be contiguous 2-D uint8 tensors")
+    return shard_counts.pop()
+
+
+class SchedulerSide:
+    """Hints, leases, backoff, validation and planning, counters: no I/O (see module docstring).
+
+    ``router`` (the directory, when etcd is configured) and ``node_id`` are set
+    once the worker side has started; ``router`` is only read here, one
+    immutable snapshot per call.
+    """
+
+    def __init__(self, leaves: Mapping[str, LeafSpec],
+                 device_blocks: Sequence[Mapping[str, Sequence[torch.Tensor]]], *,
+                 namespace: str, node_address: str, timeout: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """Any thread (construction). ``ValueError`` for device tensors that do not match ``leaves``."""
+        self.leaves = dict(leaves)
+        self.tp_shards = validate_device_blocks(self.leaves, device_blocks)
+        self.blocks = [dict(replica) for replica in device_blocks]
+        self.leaf_names = list(self.leaves)
+        self.probe_leaves = [leaf for leaf, spec in self.leaves.items() if spec.kind is AttentionKind.FULL]
+        self.namespace = namespace
+        self.node_address = node_address
+        self.timeout = timeout  # the connector's bound on one round trip
+        self.node_id: str | None = None
+        self.router: Router | None = None
+        self.clock = clock
+        self.counters = ConnectorCounters()
+        self._count_lock = threading.Lock()  # counters are written from both threads
+        self._metrics = KVCacheMetrics()
+        self._metrics_lock = threading.Lock()
+        self.last_lookup: dict[int, LeaseState] = {}  # scheduler thread: each replica's lookup() lease
+        self.unreachable: dict[str, tuple[str | None, float]] = {}  # address -> (its epoch, backoff end)
+        self.budget = LeaseBudget()  # leases held per node, within each node's max_leases
+        self.held = HeldBlocks()  # what the co-located node is known to hold (offloads skip it)
+        self._handle_groups = itertools.cycle(range(*HANDLE_GROUPS))
+
+    # ---- identity -----------------------------------------------------------------------------
+
+    def leaf_groups(self) -> dict[str, Hashable]:
+        """Any thread: leaf id -> the engine's group id."""
+        return {leaf: spec.group_id for leaf, spec in self.leaves.items()}
+
+    def check_replica(self, replica_idx: int) -> None:
+        """Any thread: ``ValueError`` for a replica the connector has no device blocks of."""
+        if not 0 <= replica_idx < len(self.blocks):
+            raise ValueError(f"replica_idx {replica_idx} outside 0..{len(self.blocks) - 1}")
+
+    def next_handle_group(self) -> int:
+        """Scheduler thread: the node lease group of the next ``start_lookup`` handle."""
+        return next(self._handle_groups)
+
+    def empty_masks(self, n: int) -> Masks:
+        """Any thread: a miss on every leaf."""
+        return {leaf: [False] * n for leaf in self.leaf_names}
+
+    # ---- counters and metrics ------------------------------------------------------------------
+
+    def count(self, **deltas: int) -> None:
+        """Any thread: add to :attr:`counters` (both threads count, so under a lock)."""
+        with self._count_lock:
+            counters = self.counters
+            for name, n in deltas.items():
+                if n:
+                    setattr(counters, name, getattr(counters, name) + n)
+
+    def add_metrics(self, **counts: int) -> None:
+        """Any thread: add to the per-batch metrics; fields the metrics type lacks are skipped (MAX's has more)."""
+        with self._metrics_lock:
+            metrics = self._metrics
+            for name, n in counts.items():
+                if n and hasattr(metrics, name):
+                    setattr(metrics, name, getattr(metrics, name) + n)
+
+    def metrics_snapshot(self) -> Any:
+        """Any thread: a copy of the per-batch metrics since the last :meth:`take_metrics`."""
+        with self._metrics_lock:
+            return copy.deepcopy(self._metrics)
+
+    def take_metrics(self) -> Any:
+        """Any thread: read and clear the per-batch metrics."""
+        with self._metrics_lock:
+            taken, self._metrics = self._metrics, KVCacheMetrics()
+        return taken
+
+    def count_unusable_hint(self, reason: str) -> None:
+        """Any thread: a hint that cannot be used is a miss, counted by reason (in MAX's dKV metrics too).
+
+        A hint whose peer holds less than the engine's device already has
+        (``behind_device``) is not a rejected hint: it is counted apart, in
+        ``counters.hints_behind_device``, and not in MAX's ``dkv_hints_rejected``.
+        """
+        if reason == BEHIND_DEVICE:
+            self.count(hints_behind_device=1)
+            return
+        with self._count_lock:
+            self.counters.unusable_hints[reason] += 1
+        self.add_metrics(dkv_hints_rejected=1)
+        with self._metrics_lock:
+            by_reason = getattr(self._metrics, "dkv_hints_rejected_by_reason", None)
+            if by_reason is not None:
+                by_reason[reason] = by_reason.get(reason, 0) + 1
+
+    def count_lookup(self, state: LeaseState | None) -> None:
+        """Any thread (the loop thread for handles): count one lookup's outcome."""
+        if state is None:
+            self.count(lookups=1, lookup_failures=1)
+            return
+        reported = sum(m.count(True) for m in state.masks.values())
+        hit = "hits_peer" if state.peer else "hits_local"
+        self.count(lookups=1, blocks_reported=reported, **{hit: int(reported > 0)})
+
+    # ---- sources, hints and backoff -------------------------------------------------------------
+
+    def source(self, hashes: Sequence[bytes], hint: bytes | None) -> tuple[str, bool]:
+        """Scheduler thread: ``(node address, is_peer)`` for a request; an unusable hint is counted and means local."""
+        if hint is None:
+            return self.node_address, False
+        # one read of the router's member table: an immutable snapshot, whatever the loop thread does meanwhile
+        members: Mapping[str, MemberRecord] = self.router.members if self.router is not None else {}
+        try:
+            member = resolve_hint(hint, self.namespace, hashes, members)
+        except UnusableHint as exc:
+            self.count_unusable_hint(exc.reason)
+            return self.node_address, False
+        except Exception:  # noqa: BLE001 - a hint never raises into the engine
+            self.count_unusable_hint(UNKNOWN_PEER)
+            return self.node_address, False
+        if member is None or member.node_id == self.node_id:
+            return self.node_address, False
+        if self.backing_off(member.address, member.epoch):
+            self.count_unusable_hint(PEER_UNREACHABLE)
+            return self.node_address, False
+        return member.address, True
+
+    def backing_off(self, address: str, epoch: str | None = None) -> bool:
+        """Any thread: True while ``address`` is marked unreachable (a peer that re-registered, new epoch, is asked again)."""
+        mark = self.unreachable.get(address)
+        if mark is None:
+            return False
+        marked_epoch, until = mark
+        if self.clock() < until and (epoch is None or epoch == marked_epoch):
+            return True
+        self.unreachable.pop(address, None)
+        return False
+
+    def unanswered(self, address: str, exc: BaseException, *, closed: bool = False) -> None:
+        """Any thread: a node did not answer a lookup or a load (transport failure or timeout): leave it alone a while.
+
+        A dead or hung node then costs one bounded wait, not one per request:
+        for ``UNREACHABLE_BACKOFF`` seconds hints naming it are misses counted
+        as ``peer_unreachable`` (unless it re-registers with a new epoch), and
+        a co-located node that does not answer makes lookups immediate misses
+        (``lookups_skipped``). ``closed``: the connector is shutting down, so
+        a failure to answer says nothing about the node.
+        """
+        if isinstance(exc, PeerUnauthenticated):  # anyone can put an address into etcd: never trust it
+            if address != self.node_address:
+                self.count_unusable_hint(UNAUTHENTICATED_PEER)
+            log.error("node %s could not prove the cluster credential: %s", address, exc)
+        elif closed or not isinstance(exc, (TransportError, TimeoutError, OSError)):
+            return  # an error reply (an expired lease, say) is an answer
+        epoch = None
+        if self.router is not None:
+            epoch = next((m.epoch for m in self.router.members.values() if m.address == address), None)
+        self.unreachable[address] = (epoch, self.clock() + UNREACHABLE_BACKOFF)
+        if address != self.node_address:
+            self.add_metrics(dkv_peer_attach_failures=1)
+        log.warning("node %s did not answer (%s); not asking it again for %.0f s", address, exc,
+                    UNREACHABLE_BACKOFF)
+
+    # ---- leases ---------------------------------------------------------------------------------
+
+    def take_lease_slot(self, address: str, limits: Mapping[str, Any]) -> Slot | None:
+        """Any thread (the loop thread, before it asks): a budget slot on ``address``, or ``None`` when all are held.
+
+        ``None`` is counted (``lookups_over_lease_budget``): the lookup is a miss without asking.
+        """
+        ttl = float(limits.get("lease_ttl", 10.0))
+        slot = self.budget.take(address, int(limits.get("max_leases", DEFAULT_MAX_LEASES)), self.timeout + ttl)
+        if slot is None:
+            self.count(lookups_over_lease_budget=1)
+        return slot
+
+    def granted(self, address: str, slot: Slot | None, hashes: list[bytes], hint: bytes | None, peer: bool,
+                masks: Masks, lease_id: int | None, ttl: float, generation: int) -> LeaseState:
+        """Loop thread: a leased lookup answered; book its lease and what the co-located node holds."""
+        expires_at = self.clock() + ttl
+        if lease_id is None:
+            self.budget.give_back(address, slot)
+            slot = None
+        else:
+            self.budget.bind(address, slot, lease_id, expires_at)
+        if not peer:
+            self.learn_lookup(hashes, masks)
+        return LeaseState(address, lease_id, masks, hashes, hint, expires_at, peer, generation, slot)
+
+    def learn_lookup(self, hashes: Sequence[bytes], masks: Mapping[str, Sequence[bool]]) -> None:
+        """Any thread: the co-located node said which of ``hashes`` each leaf holds."""
+        held: list[tuple[str, bytes]] = []
+        absent: list[tuple[str, bytes]] = []
+        for leaf, mask in masks.items():
+            for h, ok in zip(hashes, mask):
+                (held if ok else absent).append((leaf, h))
+        self.held.learn(held=held, absent=absent)
+
+    # ---- loads ----------------------------------------------------------------------------------
+
+    def plan_load(self, state: LeaseState | None, block_ids: Mapping[str, Sequence[int]],
+                  block_hashes: Mapping[str, Sequence[bytes]], replica_idx: int, hint: bytes | None,
+                  leases_lost: Callable[[str, int], bool]) -> TransferPlan | None:
+        """Scheduler thread: validate a load against the lookup it reads out of; the plan, or ``None`` if it moves nothing.
+
+        Raises :class:`KVLoadInvalid` for bad input and :class:`KVLoadRefused`
+        for blocks the lookup cannot serve (both counted); the caller releases
+        ``state``'s lease when this raises or returns ``None``.
+        ``leases_lost(address, generation)`` says whether the node has since
+        ended the leases granted at ``generation`` (a closed connection, a restart).
+        """
+        try:
+            self.check_replica(replica_idx)
+            plan = plan_transfer(block_ids, block_hashes, self.blocks[replica_idx])
+        except ValueError as exc:
+            self._refused()
+            raise KVLoadInvalid(f"load refused: {exc}") from exc
+        if not plan.runs:
+            return None
+        try:
+            self.check_covered(state, plan, hint, leases_lost)
+        except KVLoadRefused:
+            self._refused()
+            raise
+        return plan
+
+    def _refused(self) -> None:
+        self.count(loads_refused=1)
+        self.add_metrics(connector_loads_refused=1)
+
+    def check_covered(self, state: LeaseState | None, plan: TransferPlan, hint: bytes | None,
+                      leases_lost: Callable[[str, int], bool]) -> None:
+        """Scheduler thread: :class:`KVLoadRefused` unless ``state``'s live lease covers every block of ``plan``."""
+        if state is None:
+            raise KVLoadRefused("no completed lookup precedes this load (or it found nothing)")
+        if state.hint != hint:
+            raise KVLoadRefused("load must carry the same hint as its lookup")
+        if state.lease_id is None:
+            raise KVLoadRefused("the lookup holds no lease", *state.blame(plan))
+        if self.clock() > state.expires_at - LEASE_MARGIN:
+            raise KVLoadRefused("the lookup's lease expired before the load", *state.blame(plan))
+        if leases_lost(state.address, state.generation):
+            raise KVLoadRefused("the node no longer holds the lookup's lease (every connection to it closed, "
+                                "or it restarted)", *state.blame(plan))
+        reported = state.reported
+        for run in plan.runs:
+            held = reported.get(run.leaf, frozenset())
+            if not held.issuperset(run.hashes):
+                missing = next(h for h in run.hashes if h not in held)
+                raise KVLoadRefused(f"leaf {run.leaf!r}: block was not reported by the lookup", run.leaf, missing)
+
+    # ---- offloads -------------------------------------------------------------------------------
+
+    def plan_offload(self, block_ids: Mapping[str, Sequence[int]], block_hashes: Mapping[str, Sequence[bytes]],
+                     replica_idx: int) -> TransferPlan:
+        """Scheduler thread: validate an offload (``ValueError``) and drop what the co-located node holds."""
+        self.check_replica(replica_idx)
+        return self.not_held(plan_transfer(block_ids, block_hashes, self.blocks[replica_idx]))
+
+    def not_held(self, plan: TransferPlan) -> TransferPlan:
+        """Scheduler thread: ``plan`` without the blocks the co-located node is known to hold (:mod:`connector.held_blocks`)."""
+        runs = []
+        changed = False
+        for run in plan.runs:
+            keep = self.held.lacking(run.leaf, run.hashes)
+            if len(keep) == len(run.hashes):
+                runs.append(run)
+                continue
+            changed = True
+            if keep:
+                runs.append(LeafRun(run.leaf, run.shards, [run.block_ids[i] for i in keep],
+                                    [run.hashes[i] for i in keep]))
+        return TransferPlan(runs) if changed else plan
+
+    def learn_offload(self, plan: TransferPlan, statuses: Sequence[str]) -> int:
+        """Loop thread: remember what the node now holds; returns the bytes it took (the D2H bytes this offload moved)."""
+        moved = 0
+        held = []
+        at = 0
+        for run in plan.runs:
+            n, shards = len(run.hashes), len(run.shards)
+            per_shard = [statuses[at + s * n: at + (s + 1) * n] for s in range(shards)]
+            for s, tensor in enumerate(run.shards):
+                moved += per_shard[s].count(WRITE) * int(tensor.shape[1])
+            held += [(run.leaf, h) for i, h in enumerate(run.hashes)
+                     if all(per_shard[s][i] in (WRITE, EXISTS) for s in range(shards))]
+            at += n * shards
+        self.held.learn(held=held)
+        return moved
+
+    # ---- pricing --------------------------------------------------------------------------------
+
+    def probe(self, block_hashes: Sequence[bytes], replica_idxs: Sequence[int],
+              hint: bytes | None = None) -> Sequence[Mapping[str, Sequence[bool]]] | None:
+        """Scheduler thread: what each replica could load, from the directory index, without leases.
+
+        See :meth:`DKVConnector.probe`. ``None`` without a directory or a full-attention leaf.
+        """
+        router = self.router
+        if router is None or not self.probe_leaves:
+            return None
+        hashes = check_hashes(block_hashes)
+        address, peer = self.source(hashes, hint)
+        node_id = self.node_id
+        if peer:
+            node_id = next((m.node_id for m in router.members.values() if m.address == address), node_id)
+        depth = router.depth_of(node_id, self.namespace, hashes)
+        mask = [True] * depth + [False] * (len(hashes) - depth)
+        answer = {leaf: mask for leaf in self.probe_leaves}
+        return [answer for _ in replica_idxs]

@@ -1,0 +1,708 @@
+"""The connector's worker side: everything that runs on the shared UCX loop thread.
+
+:class:`WorkerSide` owns the node clients (one per address, made, used and
+closed on the loop thread, idle peers' reaped), the leased lookups on the
+wire, the reads and writes and the copy engine they use, the lease releases
+(one releaser per node), touches, resets, the stats refresh, and the
+directory (router, etcd client). Every coroutine it starts is owned and
+cancelled at shutdown.
+
+The scheduler thread reaches it only through the methods marked "scheduler
+thread" or "any thread", which validate nothing (the scheduler side did) and
+only hand work to the loop: :meth:`WorkerSide.submit` (a coroutine, with a
+future) and :meth:`WorkerSide.call_soon` (a plain callback). Bookkeeping goes
+back to the scheduler side (:class:`~connector.scheduler_side.SchedulerSide`),
+whose methods called from here are marked "loop thread" or "any thread".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import ctypes
+import functools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from typing import Any
+
+from connector.copy_engine import Completion, CopyEngine
+from connector.scheduler_side import LEASE_MARGIN, LeaseState, SchedulerSide
+from connector.transfer_plan import TransferPlan
+from connector.types import ByteCount, KVLoadFailed
+from dkv.client import LookupResult, NodeClient
+from dkv.errors import ChecksumMismatch
+from dkv.etcd import EtcdSettings, Layout, make_client
+from dkv.loop_thread import LoopThread
+from dkv.router import Router
+
+log = logging.getLogger("connector.dkv_connector")
+
+STATS_INTERVAL = 1.0
+PEER_IDLE_TIMEOUT = 60.0  # seconds a peer's client may sit unused before it is closed (never the co-located one)
+MAX_BACKGROUND = 64  # fire-and-forget touches in flight at once; more are dropped and counted
+MAX_QUEUED_RELEASES = 1024  # lease releases waiting per node (a node ends a client's oldest lease past 64 anyway)
+
+
+def _gil_holding_write() -> Callable[[int, bytes, int], int]:
+    """libc's ``write`` called without letting go of the GIL (``ctypes.PyDLL``); ``os.write`` where there is none.
+
+    A one-byte write to a non-blocking pipe never blocks, so holding the GIL
+    through it costs nothing, and the calling (scheduler) thread cannot lose
+    the GIL to the loop thread it is waking (see :meth:`WorkerSide._post`).
+    """
+    try:
+        write = ctypes.PyDLL(None).write
+    except (OSError, AttributeError):
+        return os.write  # type: ignore[return-value]
+    write.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t)
+    write.restype = ctypes.c_ssize_t
+    return write  # type: ignore[no-any-return]
+
+
+_write_byte = _gil_holding_write()
+
+
+class Transfer:
+    """A posted copy: a future on the loop thread, then maybe a device completion. Any thread; never blocks."""
+
+    def __init__(self, future: concurrent.futures.Future[Completion | None], *, is_load: bool,
+                 g0_blocks_per_leaf: Mapping[str, Sequence[int]] | None = None) -> None:
+        """Scheduler thread (posting a load or offload makes it)."""
+        self._future = future
+        self._is_load = is_load
+        self._g0 = dict(g0_blocks_per_leaf or {})
+        self._error: BaseException | None = None
+        self._completion: Completion | None = None
+        self._landed = False
+
+    @property
+    def g0_blocks_per_leaf(self) -> Mapping[str, Sequence[int]]:
+        """Any thread: the device blocks an offload keeps pinned until it completes (empty for a load)."""
+        return self._g0
+
+    def is_complete(self) -> bool:
+        """Any thread (the scheduler's polls); never blocks. A failed load raises :class:`KVLoadFailed`, on every poll."""
+        if self._landed:
+            return True
+        if self._error is not None:
+            raise KVLoadFailed(str(self._error)) from self._error
+        if not self._future.done():
+            return False
+        try:
+            self._completion = self._completion or self._future.result()
+        except BaseException as exc:
+            if not self._is_load:
+                self._landed = True  # a failed offload stores nothing; the engine is not told
+                return True
+            self._error = exc
+            if isinstance(exc, ChecksumMismatch):
+                raise KVLoadFailed(f"load failed its end-to-end checksum (corrupted or substituted blocks; "
+                                   f"nothing loaded may be used): {exc}") from exc
+            raise KVLoadFailed(f"load failed after it was posted: {exc}") from exc
+        try:
+            if self._completion is not None and not self._completion.is_done():
+                return False
+        except Exception as exc:
+            if not self._is_load:
+                self._landed = True
+                return True
+            self._error = exc
+            raise KVLoadFailed(f"the device copy failed: {exc}") from exc
+        self._landed = True
+        return True
+
+    def synchronize(self) -> None:
+        """Any thread but the loop thread: block until the transfer settles (drain and shutdown only). Never raises."""
+        try:
+            completion = self._future.result()
+            if completion is not None:
+                completion.wait()
+        except BaseException:  # noqa: BLE001
+            pass
+
+
+class TrackedClient(NodeClient):
+    """A node client and its use as the worker side sees it (loop thread): calls in flight, and when it was last used.
+
+    Only the worker side's own calls are tracked (:meth:`WorkerSide.using`),
+    so the client is used through its public methods alone.
+    """
+
+    in_flight = 0
+    last_used = 0.0
+
+
+class WorkerSide:
+    """Clients, transfers, releases and background work on the loop thread (see module docstring)."""
+
+    def __init__(self, sched: SchedulerSide, loop: LoopThread, *, namespace: str, node_address: str,
+                 token: bytes | None, tenant: str | None, timeout: float, local: bool | None, checksums: bool,
+                 etcd: str | EtcdSettings | None, layout: Layout | None, peer_idle_timeout: float) -> None:
+        """Any thread (construction); nothing is started until :meth:`start` runs on the loop."""
+        self.sched = sched
+        self.loop = loop
+        self.namespace = namespace
+        self.node_address = node_address
+        self.timeout = timeout
+        self._token = token  # the cluster token, or with ``tenant`` that tenant's secret
+        self._tenant = tenant
+        self._local_path = local
+        self._checksums = checksums
+        self._etcd = etcd
+        self._layout = layout
+        self._peer_idle = peer_idle_timeout
+        self.host_bytes = ByteCount(free=0, total=0)
+        self.disk_bytes = ByteCount(free=0, total=0)
+        devices = {t.device for replica in sched.blocks for shards in replica.values() for t in shards}
+        self.copy = {d: CopyEngine(d) for d in devices}
+        self.clients: dict[str, TrackedClient] = {}  # loop thread: made, used and closed there
+        self.closing: set[NodeClient] = set()  # idle clients being closed
+        self.router: Router | None = None
+        self.etcd_client: Any = None
+        self.closed = False
+        self.transfers: list[Transfer] = []  # scheduler thread: posted, not yet seen settled
+        self.tasks: set[concurrent.futures.Future[Any]] = set()
+        self._tasks_lock = threading.Lock()  # tasks and background, changed from any thread
+        self.background = 0  # fire-and-forget touches in flight
+        # loop thread only: per-node lease releases waiting (an ordered set) and the task sending them
+        self._releases: dict[str, dict[int, None]] = {}
+        self._releasers: dict[str, asyncio.Task[None]] = {}
+        self._sweeper: asyncio.Task[None] | None = None
+        self._stats_task: asyncio.Task[None] | None = None
+        self._reset_wanted = False  # loop thread: a reset asked for and not started yet
+        self._resetter: asyncio.Task[None] | None = None
+        # work posted to the loop from any thread, drained there in order (see _post)
+        self._inbox: collections.deque[Callable[[], Any]] = collections.deque()
+        self._wake_pending = False
+        self._wake_lock = threading.Lock()  # the pipe's write end is not closed under a writer
+        self._wake_fd = -1  # write end of the wake pipe, once the loop reads it (start)
+        self._wake_read_fd = -1
+
+    # ---- start, clients --------------------------------------------------------------------------
+
+    async def start(self, node_id: str | None) -> str:
+        """Loop thread: connect to the co-located node and, with etcd, follow the cluster; returns the node id."""
+        self._open_wake_pipe()
+        local = self.client(self.node_address)
+        with self.using(local):
+            info = await local.connect()
+        await self._refresh_stats(local)  # byte counts are the node's from construction, not 0 of 0
+        if self._etcd:
+            self.etcd_client = make_client(self._etcd)
+            await self.etcd_client.connect()
+            assert self._layout is not None
+            self.router = Router(self.etcd_client, self._layout)
+            await self.router.start()
+            self.sched.router = self.router
+        self._stats_task = asyncio.create_task(self._refresh_stats_forever(), name="dkv-connector-stats")
+        return node_id or info.node_id
+
+    def client(self, address: str) -> TrackedClient:
+        """Loop thread: the client of the node at ``address``, made on first use.
+
+        Clients are made, used and closed on the loop thread; another thread
+        gets an existing client (to read what its handshake said), never a new
+        one. A peer's client unused for a while is closed by
+        :meth:`_close_idle_clients_forever`; the co-located node's never is.
+        """
+        client = self.clients.get(address)
+        if client is None:
+            if not self.loop.in_loop():
+                raise RuntimeError(f"no client of {address}: clients are made on the loop thread")
+            client = TrackedClient(address, self.namespace, token=self._token, tenant=self._tenant,
+                                   timeout=self.timeout, local=self._local_path, checksums=self._checksums)
+            self.clients[address] = client
+            if address != self.node_address and self._sweeper is None and not self.closed:
+                self._sweeper = asyncio.get_running_loop().create_task(
+                    self._close_idle_clients_forever(), name="dkv-connector-idle-clients")
+        client.last_used = time.monotonic()
+        return client
+
+    @staticmethod
+    @contextlib.contextmanager
+    def using(client: TrackedClient) -> Iterator[TrackedClient]:
+        """Loop thread: count a call on ``client`` as in flight while it runs (an idle client is one with none)."""
+        client.in_flight += 1
+        try:
+            yield client
+        finally:
+            client.in_flight -= 1
+            client.last_used = time.monotonic()
+
+    def leases_lost(self, address: str, generation: int) -> bool:
+        """Any thread: whether the node at ``address`` has ended the leases its client was granted at ``generation``.
+
+        True when there is no client of it any more (closed as idle).
+        """
+        client = self.clients.get(address)
+        return client is None or client.leases_lost_since(generation)
+
+    def max_leaves(self) -> int:
+        """Any thread, after :meth:`start`: how many leaves one request to the co-located node may name."""
+        return self.clients[self.node_address].limit("max_leaves")
+
+    def _idle(self, client: TrackedClient, now: float) -> bool:
+        """Unused for ``peer_idle_timeout``, and long enough that no lease it took can still be loaded from."""
+        ttl = float((client.info.limits if client.info else {}).get("lease_ttl", 10.0))
+        return client.in_flight == 0 and now - client.last_used >= max(self._peer_idle, ttl + LEASE_MARGIN)
+
+    async def _close_idle_clients_forever(self) -> None:
+        """Loop thread: close the peers' clients that went idle (see :meth:`_idle`); ends at shutdown."""
+        period = max(0.05, min(self._peer_idle / 2, 5.0))
+        while not self.closed:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for address, client in list(self.clients.items()):
+                if address == self.node_address or not self._idle(client, now):
+                    continue
+                del self.clients[address]  # the next use makes a new one
+                self.closing.add(client)
+                self.sched.count(peer_clients_closed=1)
+                try:
+                    async with asyncio.timeout(self.timeout):
+                        await client.close()
+                except Exception as exc:  # noqa: BLE001 - its connections are dropped either way
+                    log.debug("closing the idle client of %s: %s", address, exc)
+                finally:
+                    self.closing.discard(client)
+                log.debug("closed the client of %s, unused for %.0f s", address, now - client.last_used)
+
+    async def _refresh_stats(self, client: TrackedClient) -> None:
+        """Loop thread: take the co-located node's tier occupancy; on failure the numbers just go stale."""
+        try:
+            with self.using(client):
+                stats = await client.stats()
+            self.host_bytes = ByteCount(free=stats["host"]["free"], total=stats["host"]["total"])
+            self.disk_bytes = ByteCount(free=stats["disk"]["free"], total=stats["disk"]["total"])
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - numbers go stale, nothing breaks
+            log.debug("node stats unavailable: %s", exc)
+
+    async def _refresh_stats_forever(self) -> None:
+        while not self.closed:
+            await asyncio.sleep(STATS_INTERVAL)
+            await self._refresh_stats(self.client(self.node_address))
+
+    # ---- lookups ----------------------------------------------------------------------------------
+
+    async def lookup_on(self, address: str, hashes: list[bytes], group: int, peer: bool,
+                        hint: bytes | None, slot: int | None = None) -> LeaseState | None:
+        """Loop thread: one leased lookup within the node's lease budget.
+
+        ``slot`` is a budget slot already held (``lookup()`` passes on its
+        replica's previous one, whose lease this lookup ends on the node);
+        without one a slot is taken, and with none left the lookup is a miss
+        without asking (``None``, counted ``lookups_over_lease_budget``).
+        """
+        client = self.client(address)
+        limits = client.info.limits if client.info else {}
+        ttl = float(limits.get("lease_ttl", 10.0))
+        if slot is None:
+            slot = self.sched.take_lease_slot(address, limits)
+            if slot is None:
+                return None
+        try:
+            with self.using(client):
+                result = await self._leased_lookup(client, hashes, group)
+        except BaseException:
+            self.sched.budget.give_back(address, slot)  # whatever the node did, the TTL ends it: do not wait on it
+            raise
+        return self.sched.granted(address, slot, hashes, hint, peer, result.masks, result.lease_id, ttl,
+                                  client.lease_generation)
+
+    async def _leased_lookup(self, client: NodeClient, hashes: list[bytes], group: int) -> LookupResult:
+        """Loop thread: one leased lookup of the longest prefix of ``hashes`` the node takes in one request.
+
+        A lease is one request, bounded by the node's ``max_cost`` (hashes x
+        leaves x shards) and ``max_keys``: a longer prefix is asked only as far
+        as those allow, and the rest is reported absent (a shorter hit, never
+        a refusal).
+        """
+        if client.info is None:
+            await client.connect()  # the node's limits come with its handshake
+        leaves, shards = self.sched.leaf_names, self.sched.tp_shards
+        per_hash = max(1, len(leaves) * shards)
+        fits = max(1, min(client.limit("max_cost") // per_hash, client.limit("max_keys")))
+        if len(hashes) <= fits:
+            return await client.lookup(hashes, list(leaves), shards, lease=True, group=group)
+        self.sched.count(lookups_truncated=1)
+        result = await client.lookup(hashes[:fits], list(leaves), shards, lease=True, group=group)
+        absent = [False] * (len(hashes) - fits)
+        return LookupResult({leaf: mask + absent for leaf, mask in result.masks.items()}, result.lease_id)
+
+    async def lookup_handle(self, address: str, hashes: list[bytes], group: int, peer: bool,
+                            hint: bytes | None) -> LeaseState | None:
+        """Loop thread: a ``start_lookup`` handle's lookup; a failure is a counted miss (``None``), never an error."""
+        try:
+            state = await self.lookup_on(address, hashes, group, peer, hint)
+        except Exception as exc:  # noqa: BLE001 - a dead or slow node costs a miss
+            self.unanswered(address, exc)
+            state = None
+        self.sched.count_lookup(state)
+        return state
+
+    def unanswered(self, address: str, exc: BaseException) -> None:
+        """Any thread: a node did not answer (see :meth:`SchedulerSide.unanswered`)."""
+        self.sched.unanswered(address, exc, closed=self.closed)
+
+    # ---- releases ---------------------------------------------------------------------------------
+
+    def release(self, state: LeaseState) -> None:
+        """Any thread: end a lease on its node, fire-and-forget (never lost to a limit, see :meth:`_queue_release`)."""
+        if state.lease_id is None or self.closed:
+            return
+        self.call_soon(self._queue_release, state.address, state.lease_id)
+
+    def release_future(self, future: concurrent.futures.Future[LeaseState | None]) -> None:
+        """Any thread (a done-callback): release the lease a handle's lookup took, if it took one."""
+        try:
+            if not future.cancelled() and future.exception() is None and future.result() is not None:
+                self.release(future.result())
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _queue_release(self, address: str, lease_id: int) -> None:
+        """Loop thread: queue a release for the node's releaser: one task per node, one ordered set of leases.
+
+        A lease queued twice is released once. Past ``MAX_QUEUED_RELEASES`` the
+        oldest is let go: a node holds at most its ``--max-leases`` (64 by
+        default) of one client and ends the oldest itself past that, so those
+        are long gone.
+        """
+        if self.closed:
+            return
+        queue = self._releases.setdefault(address, {})
+        queue[lease_id] = None
+        if len(queue) > MAX_QUEUED_RELEASES:
+            del queue[next(iter(queue))]
+            self.sched.count(releases_dropped=1)
+        if address not in self._releasers:
+            self._releasers[address] = asyncio.get_running_loop().create_task(
+                self._send_releases(address), name=f"dkv-connector-release-{address}")
+
+    async def _send_releases(self, address: str) -> None:
+        """Loop thread: send the releases queued for one node, one after the other, until none is left."""
+        queue = self._releases[address]
+        try:
+            while queue:
+                lease_id = next(iter(queue))
+                del queue[lease_id]
+                client = self.clients.get(address)
+                try:
+                    if client is not None:  # else closed since: the node ended its leases with its connections
+                        with self.using(client):
+                            await client.release(lease_id)
+                except Exception as exc:  # noqa: BLE001 - the lease ends with its TTL anyway
+                    log.debug("lease release failed: %s", exc)
+                finally:
+                    self.sched.budget.give_back_lease(address, lease_id)  # answered, or it lapses with its TTL
+        finally:
+            self._releasers.pop(address, None)
+            if not queue:
+                self._releases.pop(address, None)
+
+    # ---- loads and offloads -----------------------------------------------------------------------
+
+    def post_load(self, state: LeaseState, plan: TransferPlan) -> Transfer:
+        """Scheduler thread: post a validated load; :class:`KVLoadFailed` (lease released) if posting failed."""
+        try:
+            future = self.submit(self._read(state, plan))
+        except Exception as exc:
+            self.sched.count(loads_failed=1)
+            self.release(state)
+            raise KVLoadFailed(f"could not post the load: {exc}") from exc
+        self.sched.count(loads=1)
+        transfer = Transfer(future, is_load=True)
+        self.transfers.append(transfer)
+        return transfer
+
+    async def _read(self, state: LeaseState, plan: TransferPlan) -> Completion:
+        """Loop thread: read a lease's blocks into the plan's rows (the read ends the lease on the node)."""
+        sched = self.sched
+        keys, rows = plan.keys(), plan.rows()
+        targets, finish = self.copy[plan.device].load_targets(rows)
+        try:
+            client = self.client(state.address)
+            with self.using(client):
+                await client.read(state.lease_id, keys, targets)  # type: ignore[arg-type]
+        except Exception as exc:
+            sched.count(loads_failed=1)
+            if isinstance(exc, ChecksumMismatch):  # corrupted or substituted bytes: failed, never delivered
+                sched.count(checksum_failures=1)
+                log.warning("a load from %s failed its checksum: %s", state.address, exc)
+            if state.peer:
+                sched.add_metrics(dkv_peer_load_failures=1)
+            self.unanswered(state.address, exc)
+            raise
+        finally:
+            # the read ended the lease on the node (or its failure did: a refused read, or the
+            # connection closing); a lease the node still holds, if any, lapses with its TTL
+            sched.budget.give_back_lease(state.address, state.lease_id)  # type: ignore[arg-type]
+        sched.count(blocks_loaded=len(keys))
+        sched.add_metrics(h2d_bytes_copied=plan.nbytes, dkv_peer_loads=int(state.peer))
+        return finish()
+
+    def post_offload(self, plan: TransferPlan) -> Any:
+        """Scheduler thread: start a validated offload's device copy (CUDA: queued here) and post its write.
+
+        ``None`` when the loop is stopped (nothing was posted: the caller returns a completed transfer).
+        """
+        sources, ready = self.copy[plan.device].offload_sources(plan.rows)
+        sched = self.sched
+
+        async def run() -> None:
+            while not ready.is_done():
+                await asyncio.sleep(0.0005)
+            try:
+                client = self.client(self.node_address)
+                with self.using(client):
+                    result = await client.write(plan.keys(), sources())
+            except Exception as exc:
+                sched.count(offloads_failed=1, checksum_failures=int(isinstance(exc, ChecksumMismatch)))
+                raise
+            sched.count(blocks_offloaded=result.stored)
+            sched.add_metrics(d2h_bytes_copied=sched.learn_offload(plan, result.statuses))
+
+        try:
+            future = self.submit(run())
+        except RuntimeError:
+            return None
+        sched.count(offloads=1)
+        transfer = Transfer(future, is_load=False, g0_blocks_per_leaf=plan.block_ids())
+        self.transfers.append(transfer)
+        return transfer
+
+    def poll_transfers(self) -> None:
+        """Scheduler thread: drop settled transfers from the books."""
+        self.transfers = [t for t in self.transfers if not t._future.done()]
+
+    # ---- touches and resets -----------------------------------------------------------------------
+
+    def touch(self, hashes: list[bytes]) -> bool:
+        """Scheduler thread: post a fire-and-forget touch; False when dropped (``MAX_BACKGROUND`` in flight)."""
+        leaves, shards = self.sched.leaf_names, self.sched.tp_shards
+
+        async def run() -> None:
+            try:
+                client = self.client(self.node_address)
+                with self.using(client):
+                    await client.touch(hashes, list(leaves), shards)
+            except Exception as exc:  # noqa: BLE001 - a missed touch costs a later refetch at most
+                log.debug("touch failed: %s", exc)
+
+        return self._fire(run())
+
+    def reset(self) -> None:
+        """Any thread: ask the loop for a reset of this namespace on the co-located node."""
+        self.call_soon(self._want_reset)
+
+    def _want_reset(self) -> None:
+        """Loop thread: note a reset and start the resetter unless it runs."""
+        if self.closed:
+            return
+        if self._reset_wanted:
+            self.sched.count(resets_coalesced=1)
+            return
+        self._reset_wanted = True
+        if self._resetter is None:
+            self._resetter = asyncio.get_running_loop().create_task(self._reset(), name="dkv-connector-reset")
+
+    async def _reset(self) -> None:
+        try:
+            while self._reset_wanted:
+                self._reset_wanted = False
+                try:
+                    client = self.client(self.node_address)
+                    with self.using(client):
+                        await client.clear()
+                except Exception as exc:  # noqa: BLE001
+                    log.debug("reset_prefix_cache failed: %s", exc)
+        finally:
+            self._resetter = None
+
+    # ---- owned work on the loop thread --------------------------------------------------------------
+    #
+    # Everything the connector starts on the loop is owned here and cancelled at shutdown:
+    # lookups and transfers behind handles (submit; as many as the engine has handles), touches
+    # (_fire: at most MAX_BACKGROUND, more dropped and counted), one resetter (_reset) and one
+    # lease releaser per node (_send_releases, its queue bounded), and the idle-client sweeper.
+
+    def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
+        """Any thread: run ``coro`` on the loop as a task this connector owns (cancelled at shutdown).
+
+        Returns at once; ``RuntimeError`` (``coro`` closed) once the loop is stopped.
+        """
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._tasks_lock:
+            self.tasks.add(future)
+        future.add_done_callback(self._forget)
+        try:
+            self._post(functools.partial(self._start_task, coro, future))
+        except RuntimeError:
+            coro.close()
+            future.cancel()
+            raise
+        return future
+
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Any thread: run ``fn(*args)`` on the loop thread soon; silently nothing once the loop is stopped."""
+        try:
+            self._post(functools.partial(fn, *args) if args else fn)
+        except RuntimeError:
+            pass  # the loop is stopped: the node ended this client's leases with its connections
+
+    def _post(self, item: Callable[[], Any]) -> None:
+        """Any thread: queue ``item`` for the loop thread, waking it only when no wake-up is pending.
+
+        ``call_soon_threadsafe`` wakes the loop with a write to its self-pipe
+        that lets go of the GIL; a loop thread waiting for the GIL (busy with
+        earlier transfers) then takes it and can keep it for a whole switch
+        interval (5 ms) before the caller gets it back. So the scheduler
+        thread wakes the loop at most once per drain (while a wake-up is
+        pending the loop has not drained yet, and appending is enough), and
+        through a pipe of the connector's own, written without letting go of
+        the GIL (:func:`_gil_holding_write`). ``RuntimeError`` once the loop is
+        stopped (``item`` is not queued).
+        """
+        loop = self.loop
+        if not loop.alive:
+            raise RuntimeError("the connector's event loop is stopped")
+        inbox = self._inbox
+        inbox.append(item)
+        if self._wake_pending:
+            return
+        self._wake_pending = True
+        with self._wake_lock:
+            fd = self._wake_fd
+            if fd >= 0:
+                _write_byte(fd, b"\0", 1)  # a full pipe (-1, EAGAIN) means a wake-up is on its way anyway
+                return
+        try:
+            loop.loop.call_soon_threadsafe(self._drain_inbox)
+        except RuntimeError:
+            self._wake_pending = False
+            with contextlib.suppress(ValueError):
+                inbox.remove(item)
+            raise
+
+    def _open_wake_pipe(self) -> None:
+        """Loop thread: the pipe :meth:`_post` wakes the loop through (see :func:`_write_byte`)."""
+        if _write_byte is os.write:
+            return  # no GIL-holding write here: call_soon_threadsafe does as well
+        read_fd, write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        asyncio.get_running_loop().add_reader(read_fd, self._on_wake, read_fd)
+        with self._wake_lock:
+            self._wake_fd = write_fd
+        self._wake_read_fd = read_fd
+
+    def _close_wake_pipe(self) -> None:
+        """Loop thread: stop waking through the pipe (posts fall back to call_soon_threadsafe) and close it."""
+        with self._wake_lock:
+            write_fd, self._wake_fd = self._wake_fd, -1
+        read_fd, self._wake_read_fd = self._wake_read_fd, -1
+        if read_fd >= 0:
+            asyncio.get_running_loop().remove_reader(read_fd)
+            os.close(read_fd)
+        if write_fd >= 0:
+            os.close(write_fd)
+
+    def _on_wake(self, read_fd: int) -> None:
+        """Loop thread: the wake pipe is readable: empty it, then drain the inbox."""
+        with contextlib.suppress(BlockingIOError, InterruptedError):
+            os.read(read_fd, 4096)
+        self._drain_inbox()
+
+    def _drain_inbox(self) -> None:
+        """Loop thread: run everything posted, in order (a post from now on wakes the loop again)."""
+        self._wake_pending = False
+        inbox = self._inbox
+        while inbox:
+            item = inbox.popleft()
+            try:
+                item()
+            except Exception:
+                log.exception("connector work posted to the loop failed to start")
+
+    @staticmethod
+    def _start_task(coro: Coroutine[Any, Any, Any], future: concurrent.futures.Future[Any]) -> None:
+        """Loop thread: start ``coro`` as a task whose outcome ``future`` reports (cancelling ``future`` cancels it)."""
+        if future.cancelled():  # cancelled before it started (shutdown)
+            coro.close()
+            return
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(coro)
+
+        def report(done: asyncio.Task[Any]) -> None:
+            if done.cancelled():
+                future.cancel()
+            if not future.set_running_or_notify_cancel():
+                return  # cancelled by its owner
+            exc = done.exception()
+            if exc is not None:
+                future.set_exception(exc)
+            else:
+                future.set_result(done.result())
+
+        def cancel(f: concurrent.futures.Future[Any]) -> None:
+            if f.cancelled():
+                with contextlib.suppress(RuntimeError):  # the loop is closed: the task went with it
+                    loop.call_soon_threadsafe(task.cancel)
+
+        task.add_done_callback(report)
+        future.add_done_callback(cancel)
+
+    def _forget(self, future: concurrent.futures.Future[Any]) -> None:
+        with self._tasks_lock:
+            self.tasks.discard(future)
+
+    def _fire(self, coro: Coroutine[Any, Any, Any]) -> bool:
+        """Any thread: run fire-and-forget ``coro`` as owned work; False (``coro`` dropped) when ``MAX_BACKGROUND`` run."""
+        with self._tasks_lock:
+            if self.background >= MAX_BACKGROUND:
+                coro.close()
+                return False
+            self.background += 1
+        try:
+            future = self.submit(coro)
+        except BaseException:
+            self._fired(None)
+            raise
+        future.add_done_callback(self._fired)
+        return True
+
+    def _fired(self, _future: concurrent.futures.Future[Any] | None) -> None:
+        with self._tasks_lock:
+            self.background -= 1
+
+    async def close(self) -> None:
+        """Loop thread: cancel all owned work, stop the directory, close every client."""
+        self.closed = True  # nothing new is started on the loop from here on
+        with self._tasks_lock:
+            owned = [f for f in self.tasks if not f.done()]
+        for future in owned:
+            future.cancel()
+        await asyncio.gather(*(asyncio.wrap_future(f) for f in owned), return_exceptions=True)
+        workers = [t for t in (self._sweeper, self._resetter, *self._releasers.values()) if t is not None]
+        for worker in workers:
+            worker.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+        self._releases.clear()
+        if self._stats_task is not None:
+            self._stats_task.cancel()
+            await asyncio.gather(self._stats_task, return_exceptions=True)
+        if self.router is not None:
+            await self.router.stop()
+        clients = [*self.clients.values(), *self.closing]
+        await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+        if self.etcd_client is not None:
+            try:
+                await self.etcd_client.close()
+            except Exception:  # noqa: BLE001
+                pass
+        self._close_wake_pipe()
