@@ -399,10 +399,15 @@ class NodeClient:
     async def _call(self, fn: Callable[[_Session], Awaitable[T]], *, idempotent: bool) -> T:
         if not idempotent or self.retries <= 1:
             return await self._session_call(fn)
+        try:  # the first attempt without the retry machinery (it costs more than a same-host round trip)
+            return await self._session_call(fn)
+        except TransportError:
+            pass
         async for attempt in AsyncRetrying(
-            stop=stop_after_attempt(self.retries),
+            stop=stop_after_attempt(self.retries - 1),
             wait=wait_random_exponential(multiplier=0.05, max=1.0),
             retry=retry_if_exception_type(TransportError),
+            before=_backoff_once,
             reraise=True,
         ):
             with attempt:
@@ -887,6 +892,11 @@ class NodeClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+async def _backoff_once(state: Any) -> None:
+    """Before each retry (the first attempt failed already): the same random exponential backoff."""
+    await asyncio.sleep(wait_random_exponential(multiplier=0.05, max=1.0)(state))
 
 
 def chunk_ranges(count: int, *, max_count: int, max_bytes: int, item_bytes: int | Sequence[int],

@@ -628,18 +628,18 @@ class NodeServer:
         promoted = None
         if req["lease"] and self._disk_worker is not None:
             promoted = await self._disk_worker.promotions(peer.namespace, req["hashes"], req["leaves"], req["shards"])
+        slot_map = {} if req["lease"] and req.get("slots") and peer.shm is not None else None  # same-host loads
         masks, lease = self.store.lookup(
             peer.namespace, req["hashes"], req["leaves"], req["shards"],
             owner=peer.client_owner if req["lease"] else None, group=req["group"], promoted=promoted,
-            tenant=_tenant_of(peer),
+            tenant=_tenant_of(peer), slots=slot_map,
         )
-        slots = None
-        if lease is not None and req.get("slots") and peer.shm is not None:  # same-host: one round trip per load
-            slots = {leaf: [array("q", offsets).tobytes(), array("q", sizes).tobytes(), b"".join(sums)]
-                     for leaf, (offsets, sizes, sums) in
-                     self.store.lease_slots(lease, peer.namespace, req["hashes"], req["leaves"], req["shards"]).items()}
+        extra = {}
+        if lease is not None and slot_map:  # one round trip per load: where the leased blocks lie
+            extra["slots"] = {leaf: [array("q", offsets).tobytes(), array("q", sizes).tobytes(), b"".join(sums)]
+                              for leaf, (offsets, sizes, sums) in slot_map.items()}
         await self._reply(peer, masks=_pack_masks(masks), lease=lease.lease_id if lease else None,
-                          ttl=self.config.lease_ttl, **({"slots": slots} if slots is not None else {}))
+                          ttl=self.config.lease_ttl, **extra)
 
     def _end_used(self, peer: _Peer, lease_ids: Any) -> int:
         """End leases whose blocks the client copied itself (same-host loads); how many were still held."""

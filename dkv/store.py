@@ -233,6 +233,7 @@ class Promoted(NamedTuple):
 
 
 _LEASE, _READ, _RESERVATION = 0, 1, 2  # kinds of expiring items
+_NO_SUM = bytes(16)  # a slot map's checksum where a block has none (its offset is -1 there)
 _NOTHING_HELD = (0, 0)  # a connection without reservations: (bytes, keys)
 
 WRITE = "write"  # reserved for this writer: send the bytes
@@ -414,8 +415,12 @@ class Store:
         group: int = 0,
         promoted: Mapping[StoreKey, Promoted] | None = None,
         tenant: str = "",
+        slots: dict[str, tuple[list[int], list[int], list[bytes]]] | None = None,
     ) -> tuple[dict[str, list[bool]], Lease | None]:
         """Presence masks; with ``owner``, also a lease pinning every block reported present.
+
+        With ``slots`` (a dict to fill) a granted lease's slot map is put
+        there too, as :meth:`lease_slots` gives it, found in the same pass.
 
         A leased lookup that finds nothing grants no lease (``None``): there is
         nothing to load, so it costs the owner none of its lease budget.
@@ -448,8 +453,10 @@ class Store:
         else:
             pinned: dict[StoreKey, int] = {}
             try:
-                masks = self._pin_present(namespace, hashes, leaves, shards, pinned, promoted)
+                masks = self._pin_present(namespace, hashes, leaves, shards, pinned, promoted, slots)
                 lease = self._grant(owner, group, pinned, tenant) if pinned else None  # nothing found: nothing to hold
+                if slots is not None and lease is not None and shards != 1:
+                    slots.update(self.lease_slots(lease, namespace, hashes, leaves, shards))
             except BaseException:
                 self._unpin_keys(pinned)
                 raise
@@ -459,23 +466,31 @@ class Store:
         return masks, lease
 
     def _pin_present(self, namespace: str, hashes: Sequence[bytes], leaves: Sequence[str], shards: int,
-                     pinned: dict[StoreKey, int], promoted: Mapping[StoreKey, Promoted] | None) -> dict[str, list[bool]]:
+                     pinned: dict[StoreKey, int], promoted: Mapping[StoreKey, Promoted] | None,
+                     slots: dict[str, tuple[list[int], list[int], list[bytes]]] | None = None) -> dict[str, list[bool]]:
         """Per leaf, the mask of hashes whose every shard is held and now pinned on the host tier (into ``pinned``).
 
         One pass per key (the lookup's hot path): present blocks are pinned as
         they are found, spilled ones promoted first (a block that cannot be
-        brought back is reported absent).
+        brought back is reported absent). With one shard, ``slots`` (when
+        given) gets each leaf's slot map in the same pass (see :meth:`lease_slots`).
         """
         blocks, masks = self.blocks, {}
         for leaf in leaves:
             mask: list[bool] = []
             append = mask.append
             if shards == 1:
+                offsets: list[int] = []
+                sizes: list[int] = []
+                sums: list[bytes] = []
                 for depth, h in enumerate(hashes):
                     block = blocks.get((namespace, leaf, 0, h))  # type: ignore[call-overload]
                     if block is None or (block.offset < 0 and block.key not in pinned
                                          and not self._promote(block, promoted)):
                         append(False)
+                        offsets.append(-1)
+                        sizes.append(0)
+                        sums.append(_NO_SUM)
                         continue
                     if block.key not in pinned:
                         if block.pins == 0:
@@ -483,6 +498,17 @@ class Store:
                         block.pins += 1
                     pinned[block.key] = depth
                     append(True)
+                    checksum = block.checksum
+                    if checksum is None:  # never copied the one-round-trip way (see lease_slots)
+                        offsets.append(-1)
+                        sizes.append(0)
+                        sums.append(_NO_SUM)
+                    else:
+                        offsets.append(block.offset)
+                        sizes.append(block.size)
+                        sums.append(checksum)
+                if slots is not None:
+                    slots[leaf] = (offsets, sizes, sums)
             else:
                 for depth, h in enumerate(hashes):
                     keys = [StoreKey(namespace, leaf, s, h) for s in range(shards)]
@@ -626,7 +652,7 @@ class Store:
         its group) sees its checksum fail and falls back to a read.
         """
         covered, blocks = lease.keys, self.blocks
-        none = bytes(16)
+        none = _NO_SUM
         slots = {}
         for leaf in leaves:
             offsets, sizes, sums = [], [], []

@@ -147,3 +147,30 @@ def test_pinned_block_count_is_kept_as_pins_change(store: Store) -> None:
 
 def test_block_size_constant_is_a_page(store: Store) -> None:
     assert BLOCK == store.arena.capacity // 8
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_leased_lookup_maps_the_slots_of_what_it_pins_in_the_same_pass(store: Store, shards: int) -> None:
+    hashes = chain(3, b"s")
+    for shard in range(shards):
+        put(store, keys(hashes, shard=shard))
+    for shard in range(shards):  # the checksums a same-host copy is proven by
+        for k in keys(hashes, shard=shard):
+            store.blocks[k].checksum = bytes([k.hash[-1], shard]) * 8
+    store.blocks[keys(hashes[1:2])[0]].checksum = None  # without one: never copied the one-round-trip way
+    asked = [*hashes, b"missing!"]
+    slots: dict = {}
+    masks, lease = store.lookup(NS, asked, ["L"], shards, owner="c", slots=slots)
+    assert lease is not None and masks == {"L": [True, True, True, False]}
+    offsets, sizes, sums = slots["L"]
+    assert (offsets, sizes, sums) == store.lease_slots(lease, NS, asked, ["L"], shards)["L"]
+    for i, h in enumerate(asked):
+        for shard in range(shards):
+            j = i * shards + shard
+            block = store.blocks.get(keys([h], shard=shard)[0])
+            if block is None or block.checksum is None:
+                assert offsets[j] == -1
+            else:
+                assert (offsets[j], sizes[j], sums[j]) == (block.offset, block.size, block.checksum)
+    assert store.end_used_lease(lease.lease_id, "someone else") is False
+    assert store.end_used_lease(lease.lease_id, "c") is True and store.pinned_blocks == 0
