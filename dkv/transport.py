@@ -54,6 +54,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+# UCX's TCP transport moves a message in segments of this size (default 64 KiB): at 512 KiB a
+# 1-2 MiB payload runs at or above a plain Python socket stream on loopback instead of at a
+# third of it (scripts/probe_transport_pingpong.py, measured in one run). Only the TCP transport
+# reads these; an operator's own setting wins.
+os.environ.setdefault("UCX_TCP_TX_SEG_SIZE", "512k")
+os.environ.setdefault("UCX_TCP_RX_SEG_SIZE", "512k")
 
 import numpy as np  # noqa: E402
 import ucxx  # noqa: E402
@@ -91,7 +97,7 @@ MAPPED_BODY_MIN = 256 * 1024
 INLINE_MAX = 16 * 1024
 # Payload batching (protocol constants too: both sides derive the same messages from the sizes).
 GROUP_BYTES = 1 << 20  # runs of small buffers share one UCX message of at most this many bytes
-DIRECT_MIN = 512 * 1024  # a buffer this large is its own message (no copy, whatever its neighbours)
+DIRECT_MIN = 128 * 1024  # a buffer this large is its own message (no copy, whatever its neighbours)
 # A control message's send is not waited for by send_message (its completion would cost one more
 # hop through ucxx's notifier thread per message): the connection's next operation waits for it.
 # An abort while one is still leaving (an error reply, then the close) lets it go for this long.
