@@ -12,7 +12,7 @@ was answered (its slot passes to that lookup), or the lookup granted no lease â€
 so the node never holds more than its limit; a slot whose lease's TTL has
 passed lapses on its own.
 
-Thread-safe: slots are taken on the scheduler thread and given back from the
+Thread-safe: slots are taken on the loop thread (before it asks the node) and given back from the
 scheduler thread or the loop thread.
 """
 
