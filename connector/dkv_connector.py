@@ -203,19 +203,20 @@ class DKVConnector:
         hashes = check_hashes(block_hashes)
         sched.check_replica(replica_idx)
         address, peer = sched.source(hashes, hint)
-        previous = sched.last_lookup.pop(replica_idx, None)
+        previous = sched.last_lookup.pop(replica_idx, None)  # None after a load: its read ends that lease
         slot = None
         if previous is not None and previous.address != address:
             worker.release(previous)
         elif previous is not None:
             slot = previous.slot  # this lookup ends the previous one's lease on the node: its slot passes on
+        group = sched.replica_group(replica_idx, ends_previous=slot is not None)
         if sched.backing_off(address):
             sched.budget.give_back(address, slot)
             sched.count(lookups_skipped=1)
             return sched.empty_masks(len(hashes))
         state: LeaseState | None
         try:
-            state = worker.loop.run(worker.lookup_on(address, hashes, replica_idx, peer, hint, slot), self.timeout + 1)
+            state = worker.loop.run(worker.lookup_on(address, hashes, group, peer, hint, slot), self.timeout + 1)
         except Exception as exc:  # noqa: BLE001 - a dead or slow node costs a miss
             worker.unanswered(address, exc)
             state = None

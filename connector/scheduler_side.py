@@ -172,6 +172,8 @@ def validate_device_blocks(leaves: Mapping[str, LeafSpec],
     """Check the engine's device tensors against ``leaves``; returns the (common) TP shard count."""
     if not device_blocks:
         raise ValueError("device_blocks needs at least one replica")
+    if len(device_blocks) > HANDLE_GROUPS[0] // 2:  # each replica's lookup() uses two node lease groups below them
+        raise ValueError(f"at most {HANDLE_GROUPS[0] // 2} replicas, got {len(device_blocks)}")
     shard_counts = {spec.tp_shards for spec in leaves.values()}
     if len(shard_counts) != 1:
         raise ValueError(f"every leaf must have the same TP shard count, got {sorted(shard_counts)}")
@@ -217,6 +219,7 @@ class SchedulerSide:
         self._metrics = KVCacheMetrics()
         self._metrics_lock = threading.Lock()
         self.last_lookup: dict[int, LeaseState] = {}  # scheduler thread: each replica's lookup() lease
+        self._replica_groups: dict[int, int] = {}  # scheduler thread: the group of each replica's last lookup()
         self.unreachable: dict[str, tuple[str | None, float]] = {}  # address -> (its epoch, backoff end)
         self.budget = LeaseBudget()  # leases held per node, within each node's max_leases
         self.held = HeldBlocks()  # what the co-located node is known to hold (offloads skip it)
@@ -232,6 +235,21 @@ class SchedulerSide:
         """Any thread: ``ValueError`` for a replica the connector has no device blocks of."""
         if not 0 <= replica_idx < len(self.blocks):
             raise ValueError(f"replica_idx {replica_idx} outside 0..{len(self.blocks) - 1}")
+
+    def replica_group(self, replica_idx: int, ends_previous: bool) -> int:
+        """Scheduler thread: the node lease group of replica ``replica_idx``'s next ``lookup()``.
+
+        Each replica has two groups (``2r`` and ``2r + 1``; replicas are far
+        fewer than :data:`HANDLE_GROUPS`' start). A lookup that ends its
+        replica's previous, unloaded lease (``ends_previous``) asks in that
+        lease's group, so the node ends it; one that follows a ``load`` asks in
+        the other group, so the node does not end the loaded lease before the
+        load's own read has reached it (the read ends it).
+        """
+        last = self._replica_groups.get(replica_idx, 2 * replica_idx)
+        group = last if ends_previous else last ^ 1
+        self._replica_groups[replica_idx] = group
+        return group
 
     def next_handle_group(self) -> int:
         """Scheduler thread: the node lease group of the next ``start_lookup`` handle."""

@@ -381,3 +381,14 @@ def test_probe_answers_from_the_directory_for_full_attention_leaves() -> None:
     via_peer = s.probe(hashes, [0], build_hint(peer, NAMESPACE, hashes, 3).encode())
     assert via_peer == [{"full": [True, True, True, False]}]
     assert side().probe(hashes, [0]) is None  # no directory: nothing to answer from
+
+
+def test_a_lookup_after_a_load_leaves_the_loaded_leases_group_alone() -> None:
+    s = side(replicas=2)
+    first = s.replica_group(1, ends_previous=False)
+    assert first in (2, 3)
+    assert s.replica_group(1, ends_previous=True) == first  # ends the unloaded previous lease: the same group
+    after_load = s.replica_group(1, ends_previous=False)  # the loaded lease's read ends it, not this lookup
+    assert after_load != first and after_load in (2, 3)
+    assert s.replica_group(1, ends_previous=False) == first  # and back: two groups per replica, never more
+    assert {s.replica_group(0, ends_previous=False) for _ in range(4)} == {0, 1}  # replicas never share one
