@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dkv.errors import TransportError
+from dkv.local_channel import listen_abstract
 
 log = logging.getLogger(__name__)
 
@@ -66,15 +67,7 @@ class HandoverServer:
         self.refused = 0
 
     async def start(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.bind("\0" + self.name)
-            sock.listen(MAX_EXCHANGES)
-            sock.setblocking(False)
-        except BaseException:
-            sock.close()
-            raise
-        self._sock = sock
+        self._sock = listen_abstract(self.name, MAX_EXCHANGES)
         self._accepting = asyncio.create_task(self._accept_forever(), name="dkv-handover")
 
     def issue(self, conn_owner: str, namespace: str, writable: bool) -> bytes:

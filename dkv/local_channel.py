@@ -147,6 +147,19 @@ class StreamConnection:
         self.abort()
 
 
+def listen_abstract(name: str, backlog: int) -> socket.socket:
+    """A non-blocking Unix stream socket listening on the abstract address ``name`` (no file left behind)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind("\0" + name)
+        sock.listen(backlog)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 async def connect_local(name: str, timeout: float = CONNECT_TIMEOUT) -> StreamConnection:
     """Connect to a node's control socket ``name`` (abstract) within ``timeout``."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -180,15 +193,7 @@ class LocalListener:
         self._count = 0
 
     async def start(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.bind("\0" + self.name)
-            sock.listen(BACKLOG)
-            sock.setblocking(False)
-        except BaseException:
-            sock.close()
-            raise
-        self._sock = sock
+        self._sock = listen_abstract(self.name, BACKLOG)
         self._accepting = asyncio.create_task(self._accept_forever(), name="dkv-control")
 
     async def _accept_forever(self) -> None:
