@@ -21,6 +21,7 @@ the event loop and the engine's scheduler thread are not stalled by them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -96,9 +97,17 @@ class LeaseSlots:
         if plan is None:
             return False
         total = sum(view.nbytes for view, _, _ in plan)
-        if total >= OFF_LOOP_COPY_MIN:
-            return await asyncio.to_thread(self._copy_and_verify, keys, plan)
-        return self._copy_and_verify(keys, plan)
+        if total < OFF_LOOP_COPY_MIN:
+            return self._copy_and_verify(keys, plan)
+        copying = asyncio.get_running_loop().run_in_executor(None, self._copy_and_verify, keys, plan)
+        try:
+            return await asyncio.shield(copying)
+        except asyncio.CancelledError:
+            # the caller is told the views are done with once this raises: the copy must have ended
+            while not copying.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([copying])
+            raise
 
     def _copy_and_verify(self, keys: Sequence[Any], plan: list[tuple[memoryview, int, bytes]]) -> bool:
         mapping = self.mapping

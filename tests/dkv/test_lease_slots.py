@@ -1,0 +1,89 @@
+"""Same-host copies under a lease (dkv.lease_slots): parsing the node's slot map, and copies that never outlive their call."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from array import array
+from typing import Any
+
+import pytest
+
+from dkv.checksum import block_checksum
+from dkv.errors import ProtocolError
+from dkv.lease_slots import OFF_LOOP_COPY_MIN, LeaseSlots
+
+BLOCK = 1 << 20  # at OFF_LOOP_COPY_MIN: copied on a worker thread
+
+
+class FakeMapping:
+    """A segment mapping over a bytearray (what a same-host client maps)."""
+
+    def __init__(self, size: int) -> None:
+        self.data = bytearray(size)
+        self.size = size
+
+    def slot(self, offset: int, nbytes: int) -> memoryview:
+        return memoryview(self.data)[offset:offset + nbytes]
+
+
+def _slots(mapping: FakeMapping, hashes: list[bytes], sums: list[bytes]) -> LeaseSlots:
+    offsets = array("q", [i * BLOCK for i in range(len(hashes))]).tobytes()
+    sizes = array("q", [BLOCK] * len(hashes)).tobytes()
+    return LeaseSlots(mapping, hashes, 1, {"L": [offsets, sizes, b"".join(sums)]}, live_until=time.monotonic() + 60)
+
+
+def _stored(n: int) -> tuple[FakeMapping, list[bytes], list[bytes]]:
+    mapping = FakeMapping(n * BLOCK)
+    hashes = [bytes([i + 1]) * 32 for i in range(n)]
+    sums = []
+    for i, h in enumerate(hashes):
+        mapping.data[i * BLOCK:(i + 1) * BLOCK] = bytes([i + 7]) * BLOCK
+        sums.append(block_checksum("L", 0, h, mapping.slot(i * BLOCK, BLOCK)))
+    return mapping, hashes, sums
+
+
+async def test_a_copy_matching_its_checksums_is_delivered_and_a_reused_slot_is_not() -> None:
+    assert BLOCK >= OFF_LOOP_COPY_MIN
+    mapping, hashes, sums = _stored(2)
+    slots = _slots(mapping, hashes, sums)
+    keys = [("L", 0, h) for h in hashes]
+    dests = [bytearray(BLOCK) for _ in hashes]
+    assert await slots.copy(keys, [memoryview(d) for d in dests]) is True
+    assert [bytes(d) for d in dests] == [bytes(mapping.slot(i * BLOCK, BLOCK)) for i in range(2)]
+    mapping.data[BLOCK] ^= 0xFF  # the second slot reused meanwhile
+    assert await slots.copy(keys, [memoryview(d) for d in dests]) is False
+    assert await slots.copy([("L", 0, b"\x09" * 32)], [memoryview(dests[0])]) is False  # not in the lease
+
+
+def test_a_slot_map_that_does_not_match_the_request_is_a_protocol_error() -> None:
+    mapping, hashes, sums = _stored(2)
+    with pytest.raises(ProtocolError):
+        LeaseSlots(mapping, hashes, 1, {"L": [b"\0" * 8, b"\0" * 16, b"".join(sums)]}, live_until=0.0)
+    with pytest.raises(ProtocolError):
+        LeaseSlots(mapping, hashes, 1, {"L": "garbage"}, live_until=0.0)
+
+
+async def test_a_cancelled_copy_writes_nothing_into_the_views_after_the_cancellation_is_raised(monkeypatch) -> None:
+    mapping, hashes, sums = _stored(2)
+    slots = _slots(mapping, hashes, sums)
+    started = threading.Event()
+    real = LeaseSlots._copy_and_verify
+
+    def slow_copy(self: LeaseSlots, keys: Any, plan: Any) -> bool:
+        started.set()
+        time.sleep(0.5)  # still copying when the caller is cancelled
+        return real(self, keys, plan)
+
+    monkeypatch.setattr(LeaseSlots, "_copy_and_verify", slow_copy)
+    dests = [bytearray(BLOCK) for _ in hashes]
+    task = asyncio.ensure_future(slots.copy([("L", 0, h) for h in hashes], [memoryview(d) for d in dests]))
+    while not started.is_set():
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    after = [bytes(d) for d in dests]
+    await asyncio.sleep(0.8)
+    assert [bytes(d) for d in dests] == after, "bytes landed in the caller's buffers after the copy was cancelled"
