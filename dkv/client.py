@@ -554,7 +554,6 @@ class NodeClient:
         while len(self._group_leases) > MAX_REMEMBERED_LEASES:
             self._group_leases.pop(next(iter(self._group_leases)))
 
-
     def _take_ends(self) -> list[int]:
         """The loaded leases the next request ends (at most ``MAX_ENDS``); they leave the queue."""
         ends, self._ends = self._ends[:MAX_ENDS], self._ends[MAX_ENDS:]
