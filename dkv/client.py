@@ -43,6 +43,7 @@ from dkv.errors import (
     AuthError,
     ChecksumMismatch,
     DKVError,
+    OpTimeout,
     PeerUnauthenticated,
     ProtocolError,
     ReadNotIntact,
@@ -343,6 +344,7 @@ class NodeClient:
                 session.conn.abort()  # closed by the peer while idle: still ours to release
                 self._lost(session)
                 session = None
+            pooled = session is not None
             if session is None:
                 session = await self._open_session()
                 self._sessions.add(session)
@@ -352,6 +354,10 @@ class NodeClient:
                 # an error reply leaves the stream in step: keep the connection (and the leases)
                 self._return(session)
                 session = None
+                raise
+            except TransportError as exc:
+                if pooled and not isinstance(exc, OpTimeout):  # the node closed it while idle, unseen till now
+                    raise _StalePooledConnection(str(exc)) from exc
                 raise
             self._return(session)
             session = None
@@ -398,7 +404,12 @@ class NodeClient:
 
     async def _call(self, fn: Callable[[_Session], Awaitable[T]], *, idempotent: bool) -> T:
         if not idempotent or self.retries <= 1:
-            return await self._session_call(fn)
+            try:
+                return await self._session_call(fn)
+            except _StalePooledConnection:
+                if not idempotent:
+                    raise
+                return await self._session_call(fn)  # once more, on a connection of its own: what any pool does
         try:  # the first attempt without the retry machinery (it costs more than a same-host round trip)
             return await self._session_call(fn)
         except TransportError:
@@ -891,6 +902,15 @@ class NodeClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+class _StalePooledConnection(TransportError):
+    """A pooled connection failed on its first use since it went idle: the node had closed it meanwhile.
+
+    An idempotent call is tried once more on a new connection whatever the
+    client's ``retries`` (the node may close idle connections; see its idle
+    timeout and connection caps).
+    """
 
 
 async def _backoff_once(state: Any) -> None:
