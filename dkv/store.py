@@ -234,6 +234,13 @@ class Promoted(NamedTuple):
 
 _LEASE, _READ, _RESERVATION = 0, 1, 2  # kinds of expiring items
 _NO_SUM = bytes(16)  # a slot map's checksum where a block has none (its offset is -1 there)
+
+
+def _slot_of(block: Block | None) -> tuple[int, int, bytes]:
+    """A block's entry in a slot map: ``(-1, 0, zeros)`` where it cannot be copied the one-round-trip way."""
+    if block is None or block.checksum is None or block.offset < 0:
+        return -1, 0, _NO_SUM
+    return block.offset, block.size, block.checksum
 _NOTHING_HELD = (0, 0)  # a connection without reservations: (bytes, keys)
 
 WRITE = "write"  # reserved for this writer: send the bytes
@@ -498,15 +505,10 @@ class Store:
                         block.pins += 1
                     pinned[block.key] = depth
                     append(True)
-                    checksum = block.checksum
-                    if checksum is None:  # never copied the one-round-trip way (see lease_slots)
-                        offsets.append(-1)
-                        sizes.append(0)
-                        sums.append(_NO_SUM)
-                    else:
-                        offsets.append(block.offset)
-                        sizes.append(block.size)
-                        sums.append(checksum)
+                    offset, size, checksum = _slot_of(block)
+                    offsets.append(offset)
+                    sizes.append(size)
+                    sums.append(checksum)
                 if slots is not None:
                     slots[leaf] = (offsets, sizes, sums)
             else:
@@ -652,7 +654,6 @@ class Store:
         its group) sees its checksum fail and falls back to a read.
         """
         covered, blocks = lease.keys, self.blocks
-        none = _NO_SUM
         slots = {}
         for leaf in leaves:
             offsets, sizes, sums = [], [], []
@@ -660,14 +661,10 @@ class Store:
                 for s in range(shards):
                     key = (namespace, leaf, s, h)
                     block = blocks.get(key) if key in covered else None  # type: ignore[call-overload]
-                    if block is None or block.checksum is None or block.offset < 0:
-                        offsets.append(-1)
-                        sizes.append(0)
-                        sums.append(none)
-                    else:
-                        offsets.append(block.offset)
-                        sizes.append(block.size)
-                        sums.append(block.checksum)
+                    offset, size, checksum = _slot_of(block)
+                    offsets.append(offset)
+                    sizes.append(size)
+                    sums.append(checksum)
             slots[leaf] = (offsets, sizes, sums)
         return slots
 
