@@ -21,21 +21,57 @@ server moves):
   written, so ``used`` never exceeds ``capacity``; released files are
   collected as garbage for the server to unlink.
 * **File I/O** — :meth:`DiskTier.write_file`, :meth:`~DiskTier.read_file`,
-  :meth:`~DiskTier.unlink_files`, :meth:`~DiskTier.clear` — runs on the
-  server's disk thread and touches no accounting (``clear`` excepted: it runs
-  at shutdown, once nothing else uses the tier).
+  :meth:`~DiskTier.unlink_files`, :meth:`~DiskTier.root_intact`,
+  :meth:`~DiskTier.reopen`, :meth:`~DiskTier.clear` — runs on the server's
+  disk thread and touches no accounting (``clear`` excepted: it runs at
+  shutdown, once nothing else uses the tier).
+
+**Health.** A tier whose disk is full or whose directory vanished is
+*degraded*: the store spills nothing (evictions drop their blocks, so the node
+runs memory only), except one *probe* spill per ``retry_interval``. A probe
+that is written ends the degradation; before it is written the disk thread
+makes the tier's directory again if it vanished (:meth:`~DiskTier.reopen`),
+but never on another filesystem than the one the node started on (an
+unmounted disk is not replaced by the filesystem beneath it). The state
+(:attr:`DiskTier.state`) belongs to the accounting half; :func:`fault_of`
+names the fault an ``OSError`` means.
 """
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import shutil
+import stat
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
 
 from dkv.errors import ConfigError
+
+HEALTHY = "ok"  # spills are written
+FULL = "full"  # the filesystem (or a quota, or a file-size limit) has no room
+MISSING = "missing"  # the tier's directory vanished: every file in it is gone
+FAILING = "failing"  # any other write error (I/O error, read-only, permissions)
+DEFAULT_RETRY_INTERVAL = 1.0  # seconds between probe spills while degraded
+
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+_MISSING_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ESTALE, errno.ENODEV})
+
+
+def fault_of(error: BaseException) -> str:
+    """The tier state a failed spill write means: :data:`FULL`, :data:`MISSING` or :data:`FAILING`."""
+    code = error.errno if isinstance(error, OSError) else None
+    if code in _FULL_ERRNOS:
+        return FULL
+    if code in _MISSING_ERRNOS:
+        return MISSING
+    return FAILING
+
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
 
 
 @dataclass(eq=False, slots=True)
@@ -50,17 +86,23 @@ class DiskEntry:
 class DiskTier:
     """Spill store keyed by the node's block keys; no eviction policy beyond oldest-first."""
 
-    def __init__(self, directory: str, capacity: int) -> None:
+    def __init__(self, directory: str, capacity: int, *, retry_interval: float = DEFAULT_RETRY_INTERVAL) -> None:
         if capacity <= 0:
             raise ConfigError("--disk-size must be positive when --disk is given")
-        self.root = os.path.join(directory, f"dkv-spill-{os.getpid()}")
+        self.directory = os.path.abspath(directory)
+        self.root = os.path.join(self.directory, f"dkv-spill-{os.getpid()}")
         try:
-            os.makedirs(directory, mode=0o700, exist_ok=True)  # 0700 if made here (parents: the umask's)
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)  # 0700 if made here (parents: the umask's)
             os.mkdir(self.root, 0o700)  # never an existing one: it could be someone else's, or wider
             os.chmod(self.root, 0o700)  # exactly 0700, whatever the umask
+            self._device = os.stat(self.directory).st_dev  # the filesystem the tier lives on (disk thread)
+            self._root_id = _identity(os.lstat(self.root))  # the directory this tier made (disk thread)
         except OSError as exc:
             raise ConfigError(f"cannot create the disk tier under {directory}: {exc}") from exc
         self.capacity = capacity
+        self.state = HEALTHY  # HEALTHY, or the fault that degraded the tier (event-loop thread)
+        self.retry_interval = retry_interval
+        self._retry_at = 0.0
         self.used = 0  # every live entry: written files and files being written
         self.indexed = 0  # bytes of the written, indexed files (what dropping the oldest can free)
         self._files: OrderedDict[Hashable, DiskEntry] = OrderedDict()  # written, oldest first
@@ -139,6 +181,39 @@ class DiskTier:
         """Drop ``key``'s written file: out of the index, space freed, file to unlink."""
         self.release(self.detach(key))
 
+    def keys(self) -> list[Hashable]:
+        """The keys of every written, indexed file, oldest first (a copy)."""
+        return list(self._files)
+
+    # ---- health: event-loop thread, no I/O ----------------------------------------------------
+
+    @property
+    def degraded(self) -> bool:
+        return self.state != HEALTHY
+
+    def spill_allowed(self, now: float) -> bool:
+        """May a block be staged for a spill now? Healthy: yes. Degraded: once per ``retry_interval`` (a probe)."""
+        if self.state == HEALTHY:
+            return True
+        if now < self._retry_at:
+            return False
+        self._retry_at = now + self.retry_interval
+        return True
+
+    def degrade(self, fault: str, now: float) -> bool:
+        """A spill failed with ``fault`` (:func:`fault_of`): spill only probes from now on. True when newly degraded."""
+        was_healthy = self.state == HEALTHY
+        self.state = fault
+        if was_healthy:
+            self._retry_at = now + self.retry_interval
+        return was_healthy
+
+    def recover(self) -> bool:
+        """A spill was written: the tier is healthy. True when it was degraded."""
+        was_degraded = self.state != HEALTHY
+        self.state = HEALTHY
+        return was_degraded
+
     def take_garbage(self) -> list[str]:
         """Paths of released files, for the disk thread to unlink (:meth:`unlink_files`)."""
         garbage, self._garbage = self._garbage, []
@@ -183,6 +258,49 @@ class DiskTier:
                 os.unlink(path)
             except OSError:
                 pass
+
+    def root_intact(self) -> bool:
+        """True while the tier's directory is the one it made: not removed, not another inode. Never raises.
+
+        A directory made again at once at the same path may get the old
+        one's inode number and pass; its blocks then fail one by one when
+        read (each dropped, unpublished).
+        """
+        try:
+            st = os.lstat(self.root)
+        except OSError:
+            return False
+        return stat.S_ISDIR(st.st_mode) and _identity(st) == self._root_id
+
+    def reopen(self) -> bool:
+        """Make the tier's directory again if it vanished (0700, like at start); True when it did. Raises ``OSError``.
+
+        Only on the filesystem the tier started on: when ``--disk``'s
+        directory now lies on another one (its disk was unmounted) nothing is
+        made. A directory found at the tier's path is taken only when it is a
+        real directory of this user (then made 0700); the tier's files are
+        never assumed to be in it.
+        """
+        if self.root_intact():
+            return False
+        try:
+            st = os.stat(self.directory)
+        except FileNotFoundError:
+            if os.stat(os.path.dirname(self.directory)).st_dev != self._device:
+                raise OSError(errno.ENODEV, "the disk tier's filesystem is gone", self.directory) from None
+            os.mkdir(self.directory, 0o700)
+        else:
+            if st.st_dev != self._device:
+                raise OSError(errno.ENODEV, "the disk tier's filesystem is gone", self.directory)
+        try:
+            os.mkdir(self.root, 0o700)
+        except FileExistsError:
+            st = os.lstat(self.root)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                raise
+        os.chmod(self.root, 0o700)
+        self._root_id = _identity(os.lstat(self.root))
+        return True
 
     def clear(self) -> None:
         """Drop every spilled block and the tier's directory (shutdown, or a test's cleanup)."""

@@ -11,6 +11,14 @@ Everything is bounded: staging memory (the store's), the bytes promotion reads
 hold at once, how long a lookup waits for its reads, and how long shutdown
 waits for a stuck disk. The thread is a daemon, so a write that never returns
 cannot keep the node's process from exiting.
+
+A full or vanished tier degrades to memory only (the store's half: see
+:mod:`dkv.disk_tier`). The worker's half: every ``check_interval`` it checks
+on the disk thread that the tier's directory is still the one it made, and
+tells the store when it is not (:meth:`dkv.store.Store.disk_vanished`: those
+blocks' files are gone), without waiting for a spill or a read to fail; and
+before it writes a spill while the tier is degraded (a probe), it makes the
+directory again if it vanished (:meth:`dkv.disk_tier.DiskTier.reopen`).
 """
 
 from __future__ import annotations
@@ -24,13 +32,14 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from dkv.disk_tier import DiskTier
+from dkv.disk_tier import MISSING, DiskTier
 from dkv.store import Promoted, Store, StoreKey
 
 log = logging.getLogger(__name__)
 
 DEFAULT_READ_TIMEOUT = 2.0  # a lookup waits this long for its reads, then promotes nothing
 DEFAULT_CLOSE_TIMEOUT = 5.0  # shutdown waits this long for the disk thread's last work
+DEFAULT_CHECK_INTERVAL = 1.0  # seconds between checks that the tier's directory is still there
 
 
 class DiskThread:
@@ -111,6 +120,7 @@ class DiskWorker:
         read_budget: int | None = None,
         read_timeout: float = DEFAULT_READ_TIMEOUT,
         close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
+        check_interval: float = DEFAULT_CHECK_INTERVAL,
     ) -> None:
         if store.disk is None:
             raise ValueError("a DiskWorker needs a store with a disk tier")
@@ -120,9 +130,12 @@ class DiskWorker:
         self._read_budget = store.staging_bytes if read_budget is None else read_budget
         self.read_timeout = read_timeout  # seconds a lookup waits for its reads (adjustable)
         self._close_timeout = close_timeout
+        self._check_interval = check_interval
+        self._probes = 0  # probe writes ended: a directory check that spans one is stale
         self._reading = 0  # bytes held by promotion reads in flight
         self._thread: DiskThread | None = None
         self._task: asyncio.Task[None] | None = None
+        self._watch: asyncio.Task[None] | None = None
         self._wakeup = asyncio.Event()
         self._errors = 0
         self._stopped = False
@@ -134,6 +147,7 @@ class DiskWorker:
         self._thread = DiskThread()
         self._store.on_spill.append(self._wakeup.set)
         self._task = asyncio.create_task(self._spill_forever(), name="dkv-spill")
+        self._watch = asyncio.create_task(self._watch_forever(), name="dkv-disk-watch")
 
     async def stop(self) -> bool:
         """Stop the spill task, then remove the tier's directory on the disk thread.
@@ -147,10 +161,11 @@ class DiskWorker:
         self._stopped = True
         with contextlib.suppress(ValueError):
             self._store.on_spill.remove(self._wakeup.set)
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        tasks = [t for t in (self._task, self._watch) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._task = self._watch = None
         thread, self._thread = self._thread, None
         if thread is None:  # never started: nothing is queued, and no thread to wait for
             self._disk.clear()
@@ -227,26 +242,67 @@ class DiskWorker:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
+                probe = disk.degraded  # a probe: the directory may have to be made again first
                 try:
-                    await asyncio.wrap_future(thread.submit(disk.write_file, job.entry.path, job.data))
+                    remade, error = await asyncio.wrap_future(
+                        thread.submit(_write_spill, disk, job.entry.path, job.data, probe))
                 except asyncio.CancelledError:
                     raise
-                except Exception as exc:
-                    self._log_error("spill write", job.entry.path, exc)
-                    store.finish_spill(job, exc)
-                else:
-                    store.finish_spill(job)
+                except Exception as exc:  # the thread is closed
+                    remade, error = False, exc
+                finally:
+                    self._probes += probe
+                if remade:  # the old directory was gone, and its files with it
+                    store.disk_vanished()
+                if error is not None:
+                    self._log_error("spill write", job.entry.path, error)
+                store.finish_spill(job, error)
             except asyncio.CancelledError:
                 raise
             except Exception:  # a bug must not stop every later spill
                 log.exception("spill task error")
                 await asyncio.sleep(0.1)
 
+    async def _watch_forever(self) -> None:
+        """Every ``check_interval``: is the tier's directory still the one it made? If not, tell the store."""
+        store, disk = self._store, self._disk
+        while True:
+            await asyncio.sleep(self._check_interval)
+            thread = self._thread
+            if thread is None:
+                return
+            probes = self._probes
+            try:
+                intact = await asyncio.wrap_future(thread.submit(disk.root_intact, urgent=True))
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the thread is closed: the worker is stopping
+                return
+            # a probe that ended meanwhile may have made the directory again (and reported the old one gone)
+            if not intact and probes == self._probes and disk.state != MISSING:
+                log.warning("the disk tier's directory %s is gone: its blocks are dropped", disk.root)
+                store.disk_vanished()
+
     def _log_error(self, what: str, path: str, exc: BaseException) -> None:
         self._errors += 1
         if self._errors == 1 or self._errors % 100 == 0:
             log.warning("disk tier %s failed (%d so far; the block is dropped): %s: %s",
                         what, self._errors, path, exc)
+
+
+def _write_spill(disk: DiskTier, path: str, data: bytearray, probe: bool) -> tuple[bool, Exception | None]:
+    """Write one spill (disk thread); a probe first makes the tier's directory again if it vanished.
+
+    Returns whether a directory was made, and the write's error (``None``: written).
+    """
+    remade = False
+    try:
+        if probe:
+            remade = disk.reopen()
+        disk.write_file(path, data)
+    except Exception as exc:
+        return remade, exc
+    return remade, None
 
 
 def _read_files(disk: DiskTier, items: list[tuple[str, int]]) -> list[bytearray | Exception]:

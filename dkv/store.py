@@ -37,7 +37,11 @@ Contracts (DESIGN.md §3):
   only from bytes the server read beforehand (:meth:`disk_reads`, then
   ``lookup(promoted=...)``). A failed write or read drops the block
   (unpublished). No error path leaks a reservation, a pin, a slot or disk
-  space.
+  space. A failed spill write also degrades the tier (disk full, directory
+  gone, I/O error): evictions then drop their blocks instead of staging them
+  (memory only), but for one probe spill per retry interval; a written spill
+  ends the degradation. A vanished directory loses every file in it: those
+  blocks are dropped and unpublished at once (:meth:`disk_vanished`).
 * **Bounds and quotas (no client exhausts the node).** Every block is
   charged to the credential that wrote it (``tenant``; ``""`` is the cluster
   credential), and each credential keeps its own recency heap; the node's
@@ -63,7 +67,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from dkv.arena import PAGE, Arena, align_up
-from dkv.disk_tier import DiskEntry, DiskTier
+from dkv.disk_tier import MISSING, DiskEntry, DiskTier, fault_of
 from dkv.credentials import Quotas
 from dkv.errors import LeaseExpired, NodeBusy, WriteRejected
 from dkv.spill import DEFAULT_STAGING_BYTES, SpillJob, Staging
@@ -264,6 +268,11 @@ class StoreCounters:
     disk_drops: int = 0  # on-disk blocks dropped to make room
     spill_drops: int = 0  # evicted blocks dropped, not spilled: staging memory or disk space full
     disk_errors: int = 0  # spill writes or promotion reads that failed (the block is dropped)
+    disk_spill_failed: int = 0  # spill writes that failed (the block is dropped; the tier degrades)
+    disk_degraded: int = 0  # times the tier went memory only (disk full, directory gone, write errors)
+    disk_recovered: int = 0  # times a probe spill was written and the tier spilled again
+    disk_degraded_drops: int = 0  # evicted blocks dropped, not staged, while the tier was degraded
+    disk_lost: int = 0  # on-disk blocks dropped because the tier's directory vanished (their files with it)
     disk_read_timeouts: int = 0  # leased lookups that stopped waiting for their promotion reads
     leases_granted: int = 0
     leases_expired: int = 0
@@ -1118,6 +1127,9 @@ class Store:
         """Copy a host block's bytes into staging and queue its spill; False (counted) when there is no room."""
         disk = self.disk
         assert disk is not None
+        if not disk.spill_allowed(self.clock()):
+            self.counters.disk_degraded_drops += 1  # memory only until a probe spill is written
+            return False
         if not self._staging.fits(block.size) or block.size > disk.free + disk.indexed:
             self.counters.spill_drops += 1  # staging full, or the tier is busy with files being written
             return False
@@ -1192,14 +1204,25 @@ class Store:
     def finish_spill(self, job: SpillJob, error: BaseException | None = None) -> None:
         """The server's write of ``job`` ended, failed with ``error`` if given. Never raises.
 
-        Success: the block is now on disk and its staging memory is freed.
-        Failure (directory gone, disk full, ...): the block is dropped and
-        unpublished, counted in ``disk_errors``. If the block stopped wanting
-        the file meanwhile (promoted, cleared), the file's space is released
-        and the file left to unlink (:meth:`DiskTier.take_garbage`).
+        Success: the block is now on disk and its staging memory is freed; a
+        degraded tier is healthy again (``disk_recovered``). Failure
+        (directory gone, disk full, ...): the block is dropped and
+        unpublished, counted in ``disk_spill_failed`` and ``disk_errors``,
+        and the tier degrades (``disk_degraded``; a vanished directory also
+        drops every on-disk block, :meth:`disk_vanished`). If the block
+        stopped wanting the file meanwhile (promoted, cleared), the file's
+        space is released and the file left to unlink
+        (:meth:`DiskTier.take_garbage`); the outcome still tells the tier's health.
         """
         disk = self.disk
         assert disk is not None
+        if error is None:
+            if disk.recover():
+                self.counters.disk_recovered += 1
+                log.warning("disk tier: a spill was written again; spilling resumes")
+        else:
+            self.counters.disk_spill_failed += 1
+            self._degrade(fault_of(error), error)
         if not self._staging.finish(job):
             disk.release(job.entry)
             self._disk_work()
@@ -1215,6 +1238,30 @@ class Store:
         if block is not None and not block.on_host:
             self._unindex(block)
             self._notify_evicted([job.key])
+
+    def disk_vanished(self) -> None:
+        """The tier's directory is gone or replaced (the server saw it): drop every on-disk block. Never raises.
+
+        Their files went with the directory, so each is dropped and
+        unpublished (``disk_lost``), and the tier degrades to memory only
+        until a probe spill is written (the server makes the directory again
+        first). Staged blocks are kept: their bytes are in memory.
+        """
+        if self.disk is not None:
+            self._degrade(MISSING, None)
+
+    def _degrade(self, fault: str, error: BaseException | None) -> None:
+        disk = self.disk
+        assert disk is not None
+        if fault == MISSING and len(disk):
+            lost = disk.keys()
+            self.counters.disk_lost += len(lost)
+            self._drop_disk_blocks(lost)
+        if disk.degrade(fault, self.clock()):
+            self.counters.disk_degraded += 1
+            log.warning("disk tier degraded (%s%s): evicted blocks are dropped, not spilled, until a probe spill "
+                        "every %.1f s is written", fault, f": {error}" if error is not None else "",
+                        disk.retry_interval)
 
     def disk_reads(self, namespace: str, hashes: Sequence[bytes], leaves: Sequence[str], shards: int,
                    budget: int) -> list[DiskRead]:
@@ -1354,6 +1401,10 @@ class Store:
     def host_bytes(self) -> tuple[int, int]:
         """``(free, total)`` bytes of the host pool (reserved slots count as used)."""
         return self.arena.free_bytes, self.arena.capacity
+
+    def disk_state(self) -> str:
+        """The disk tier's health: ``"ok"``, the fault that degraded it (``"full"``, ``"missing"``, ``"failing"``), or ``"off"``."""
+        return self.disk.state if self.disk is not None else "off"
 
     def disk_bytes(self) -> tuple[int, int]:
         """``(free, total)`` bytes of the disk tier; ``(0, 0)`` when there is none."""

@@ -15,6 +15,7 @@ import asyncio
 import errno
 import os
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ from typing import Any
 import pytest
 
 from dkv.arena import PAGE, Arena, align_up
-from dkv.disk_tier import DiskTier
+from dkv.disk_tier import FAILING, FULL, HEALTHY, MISSING, DiskTier, fault_of
 from dkv.store import BUSY, WRITE, Store, StoreKey
 from tests.dkv.conftest import Clock
 
@@ -428,6 +429,109 @@ def test_clear_drops_staged_spilling_and_spilled_blocks_and_frees_their_space(ar
     assert_no_leaks(store)
 
 
+# ---- a degraded tier: full, or its directory gone --------------------------------------------
+
+
+@pytest.mark.parametrize(("code", "fault"), [
+    (errno.ENOSPC, FULL), (errno.EDQUOT, FULL), (errno.EFBIG, FULL),
+    (errno.ENOENT, MISSING), (errno.ENOTDIR, MISSING), (errno.ENODEV, MISSING),
+    (errno.EIO, FAILING), (errno.EROFS, FAILING), (errno.EACCES, FAILING),
+])
+def test_a_failed_write_names_the_fault_it_means(code: int, fault: str) -> None:
+    assert fault_of(OSError(code, os.strerror(code))) == fault
+    assert fault_of(RuntimeError("not an OSError")) == FAILING
+
+
+def test_a_failed_spill_degrades_the_tier_to_memory_only_until_a_probe_spill_is_written(arena: Arena, tmp_path) -> None:
+    disk = FailingDisk(str(tmp_path), 4 * BLOCK, reads=False)
+    store, unpublished = make_store(arena, disk)
+    put(store, keys(chain(8, b"a")))
+    put(store, keys(chain(1, b"b")))  # one eviction, staged while the tier is healthy
+    assert spill_all(store) == 1
+    counters = store.counters
+    assert (counters.disk_spill_failed, counters.disk_degraded, counters.disk_errors) == (1, 1, 1)
+    assert disk.state == FULL and store.disk_state() == "full"
+
+    put(store, keys(chain(3, b"c")))  # memory only: evicted blocks are dropped, never staged
+    assert store.staging_usage() == (0, 0) and counters.disk_degraded_drops == 3
+    assert len(unpublished) == 4 and all(k not in store.blocks for k in unpublished)
+
+    store.clock.now += disk.retry_interval  # a probe is due: the next eviction is staged, the one after dropped
+    put(store, keys(chain(2, b"d")))
+    assert store.staging_usage() == (1, BLOCK) and counters.disk_degraded_drops == 4
+    assert spill_all(store) == 1 and counters.disk_spill_failed == 2, "the disk is still full"
+    assert counters.disk_degraded == 1 and disk.state == FULL
+
+    disk.fail_writes = False  # space returns
+    store.clock.now += disk.retry_interval
+    probe = keys(chain(1, b"e"))
+    put(store, probe)
+    assert spill_all(store) == 1
+    assert (counters.disk_recovered, counters.spills) == (1, 1) and disk.state == HEALTHY
+    put(store, keys(chain(2, b"f")))  # healthy: every eviction spills again
+    assert store.staging_usage() == (2, 2 * BLOCK) and spill_all(store) == 2 and counters.spills == 3
+    assert counters.disk_degraded == 1 and counters.disk_degraded_drops == 4
+    assert len(files_in(disk)) == 3 and not [f for f in files_in(disk) if f.endswith(".tmp")]
+    assert_no_leaks(store)
+
+
+def test_a_vanished_tier_directory_drops_every_on_disk_block_and_keeps_the_staged_ones(
+        arena: Arena, disk: DiskTier) -> None:
+    store, unpublished = make_store(arena, disk)
+    on_disk = keys(chain(2, b"a"))
+    put(store, on_disk)
+    put(store, keys(chain(8, b"b")))  # the two spill
+    assert spill_all(store) == 2
+    staged = keys(chain(1, b"b"))  # the oldest "b" block: evicted next, staged, not written
+    put(store, keys(chain(1, b"c")))
+    assert store.staging_usage() == (1, BLOCK)
+    shutil.rmtree(disk.root)
+
+    store.disk_vanished()
+    assert store.counters.disk_lost == 2 and store.counters.disk_degraded == 1 and disk.state == MISSING
+    assert sorted(unpublished) == sorted(on_disk), "blocks whose files are gone are unpublished at once"
+    assert store.presence(NS, [k.hash for k in on_disk], ["L"], 1) == {"L": [False, False]}
+    assert store.presence(NS, [k.hash for k in staged], ["L"], 1) == {"L": [True]}, "staged bytes are in memory"
+    assert store.disk_bytes() == (3 * BLOCK, 4 * BLOCK), "only the staged block's file is counted"
+    store.disk_vanished()  # again: nothing more to drop, not counted twice
+    assert store.counters.disk_lost == 2 and store.counters.disk_degraded == 1
+
+    assert spill_all(store) == 1 and store.counters.disk_spill_failed == 1  # the staged write fails: no directory
+    assert disk.reopen() is True and disk.root_intact()  # what the disk thread does before a probe
+    store.clock.now += disk.retry_interval
+    put(store, keys(chain(1, b"d")))
+    assert spill_all(store) == 1 and store.counters.disk_recovered == 1 and disk.state == HEALTHY
+    assert len(files_in(disk)) == 1
+    assert_no_leaks(store)
+
+
+def test_reopen_makes_the_tier_directory_again_0700_but_only_on_its_own_filesystem(tmp_path) -> None:
+    parent = tmp_path / "tier"
+    tier = DiskTier(str(parent), 4 * BLOCK)
+    try:
+        assert tier.root_intact() and tier.reopen() is False, "an intact directory is left as it is"
+        shutil.rmtree(parent)
+        assert not tier.root_intact()
+        assert tier.reopen() is True and tier.root_intact()
+        assert stat.S_IMODE(os.stat(parent).st_mode) == stat.S_IMODE(os.stat(tier.root).st_mode) == 0o700
+
+        os.rmdir(tier.root)
+        os.symlink(tmp_path, tier.root)  # something else at the tier's path: not taken
+        assert not tier.root_intact()
+        with pytest.raises(FileExistsError):
+            tier.reopen()
+        os.unlink(tier.root)
+
+        shutil.rmtree(parent)
+        tier._device = -1  # as if --disk's directory had been a mount point whose disk is now unmounted
+        with pytest.raises(OSError) as raised:
+            tier.reopen()
+        assert raised.value.errno == errno.ENODEV and fault_of(raised.value) == MISSING
+        assert not parent.exists(), "nothing is made on the filesystem beneath an unmounted disk"
+    finally:
+        tier.clear()
+
+
 # ---- the mover on the event loop ------------------------------------------------------------
 
 
@@ -531,4 +635,33 @@ async def test_stuck_promotion_read_costs_one_bounded_wait_and_no_pin(arena: Are
         assert_no_leaks(store)
     finally:
         disk.gate.set()
+        assert await worker.stop()
+
+
+async def test_the_mover_notices_a_removed_directory_at_once_and_a_probe_makes_it_again(
+        arena: Arena, disk: DiskTier) -> None:
+    from dkv.disk_worker import DiskWorker
+
+    store, unpublished = make_store(arena, disk)
+    worker = DiskWorker(store, check_interval=0.02)
+    worker.start()
+    try:
+        on_disk = keys(chain(2, b"a"))
+        put(store, on_disk)
+        put(store, keys(chain(8, b"b")))
+        await _until(lambda: store.counters.spills == 2 and store.staging_usage() == (0, 0), "the spills")
+        shutil.rmtree(disk.root)
+        await _until(lambda: store.counters.disk_lost == 2, "the removed directory to be noticed")
+        assert sorted(unpublished) == sorted(on_disk) and disk.state == MISSING
+        put(store, keys(chain(1, b"c")))  # degraded: dropped, not staged
+        assert store.counters.disk_degraded_drops == 1 and store.staging_usage() == (0, 0)
+        store.clock.now += disk.retry_interval
+        put(store, keys(chain(1, b"d")))  # the probe: the mover makes the directory again, then writes
+        await _until(lambda: store.counters.disk_recovered == 1, "the probe spill")
+        assert disk.root_intact() and len(files_in(disk)) == 1 and store.counters.disk_degraded == 1
+        assert stat.S_IMODE(os.stat(disk.root).st_mode) == 0o700
+        await asyncio.sleep(0.1)  # a few more directory checks: the new directory is the tier's
+        assert store.counters.disk_lost == 2 and disk.state == HEALTHY
+        assert_no_leaks(store)
+    finally:
         assert await worker.stop()
