@@ -38,6 +38,25 @@ def read_token(token_file: Path | None) -> bytes | None:
     return token
 
 
+LogLevelOption = Annotated[str, typer.Option(
+    envvar="DKV_LOG_LEVEL",
+    help="Logging level (debug, info, warning, error); UCX's own logging follows it (see README, Logging).")]
+
+
+def setup_logging(level: str) -> None:
+    """Log dKV at ``level`` (a name: debug, info, warning, error, critical) to stderr.
+
+    Called before anything imports :mod:`dkv.transport`: UCX, UCXX and UCX-Py
+    take their own levels from this one as ucxx is loaded
+    (:func:`dkv.transport.ucx_log_levels`); an operator's ``UCX_LOG_LEVEL``,
+    ``UCXX_LOG_LEVEL`` or ``UCXPY_LOG_LEVEL`` still wins.
+    """
+    name = level.strip().upper()
+    if not isinstance(logging.getLevelName(name), int):
+        fail(f"unknown log level {level!r}: use debug, info, warning, error or critical")
+    logging.basicConfig(level=name, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
 def _console() -> Console:
     """Stdout console; wide enough for the tables when stdout is not a terminal."""
     console = Console()
@@ -135,14 +154,14 @@ def serve(
     publish_every: Annotated[int, typer.Option(help="Announce every k-th block of an offloaded run plus its last (1 = all).")] = 1,
     ready_file: Annotated[Optional[Path], typer.Option(help="Write a JSON line with the bound address here once serving.")] = None,
     exit_with_parent: Annotated[bool, typer.Option(help="Stop (gracefully) once the process that started this node has exited.")] = False,
-    log_level: Annotated[str, typer.Option(help="Logging level.")] = "INFO",
+    log_level: LogLevelOption = "INFO",
     etcd_settings: Any = None,  # from @etcd_options: --etcd-ca, --etcd-cert, --etcd-key, --etcd-user, ...
 ) -> None:
     """Run a dKV node until SIGTERM or SIGINT (graceful: nothing is left behind)."""
+    setup_logging(log_level)  # first: UCX reads its log level as dkv.transport is imported
     from dkv.credentials import load_tenants
     from dkv.server import NodeConfig
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         host, port = parse_address(listen, DEFAULT_PORT)
         config = NodeConfig(
@@ -233,8 +252,10 @@ def stats(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
     token_file: Annotated[Optional[Path], typer.Option(help="File holding the cluster token.")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the node.")] = 5.0,
+    log_level: LogLevelOption = "WARNING",
 ) -> None:
     """Show a node's tiers, index, leases and counters."""
+    setup_logging(log_level)
     try:
         result = asyncio.run(_fetch_stats(address, read_token(token_file), timeout))
     except (DKVError, ValueError) as exc:
@@ -249,7 +270,8 @@ def stats(
         ("uptime", f"{result['uptime_s']:.0f} s"),
         ("host pool", f"{format_size(host['used'])} / {format_size(host['total'])} used"
                       f" in {host['segments']} namespace segment(s)"),
-        ("disk tier", f"{format_size(disk['used'])} / {format_size(disk['total'])} used" if disk["total"] else "off"),
+        ("disk tier", (f"{format_size(disk['used'])} / {format_size(disk['total'])} used"
+                       + (f" ({disk['state']})" if disk.get("state", "ok") != "ok" else "")) if disk["total"] else "off"),
         ("blocks", f"{result['blocks']} ({result['blocks_on_disk']} on disk)"),
         ("leases", f"{result['leases']} ({result['pinned_blocks']} blocks pinned)"),
         ("writes in flight", str(result["reservations"])),

@@ -30,10 +30,13 @@ The tenants file is TOML::
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import fnmatch
 import os
 import re
 import secrets
+import stat
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -169,31 +172,95 @@ class LocalCredential:
     path in its challenge: a client on the same host, running as a user that
     can read the file, proves that secret; a client anywhere else cannot.
     The owner removes the file with :meth:`close`.
+
+    The owner also holds an exclusive ``flock`` on the file for as long as it
+    lives; the kernel drops it when the process dies, however it dies. A file
+    whose lock can be taken therefore belongs to a dead node: each new one
+    removes such orphans of its OS user (:func:`remove_orphaned_credentials`)
+    before it writes its own. The file appears under its name already locked
+    (written as a draft, locked, then renamed), so no start can take a live
+    node's file for an orphan. A PID in the name would not prove as much:
+    PIDs are reused, and a node in another PID namespace sharing /dev/shm has
+    a PID this one cannot see.
     """
 
     DIRECTORY = "/dev/shm"
 
     def __init__(self, label: str) -> None:
+        remove_orphaned_credentials(self.DIRECTORY)
         self.secret = secrets.token_hex(32).encode()
-        self.name = f"dkv-{label}-{os.getpid()}-{secrets.token_hex(4)}.credential"
-        self.path = os.path.join(self.DIRECTORY, self.name)
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.write(fd, self.secret)
-        finally:
-            os.close(fd)
+        for attempt in range(3):
+            self.name = f"dkv-{label}-{os.getpid()}-{secrets.token_hex(4)}.credential"
+            self.path = os.path.join(self.DIRECTORY, self.name)
+            draft = os.path.join(self.DIRECTORY, f"{self.name}.new")  # locked before it takes its name
+            self._fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os.write(self._fd, self.secret)
+                os.rename(draft, self.path)
+                return
+            except (FileNotFoundError, BlockingIOError):  # another start took the draft for an orphan
+                os.close(self._fd)  # before it was locked: that start removes it; try another name
+                if attempt == 2:
+                    raise
+            except BaseException:
+                os.close(self._fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(draft)
+                raise
 
     def close(self) -> None:
         try:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+        if self._fd >= 0:
+            os.close(self._fd)  # (the lock goes with it)
+            self._fd = -1
+
+
+_CREDENTIAL_NAME = re.compile(r"^dkv-[A-Za-z0-9_-]+\.credential$")
+_DRAFT_NAME = re.compile(r"^dkv-[A-Za-z0-9_-]+\.credential\.new$")
+
+
+def remove_orphaned_credentials(directory: str) -> list[str]:
+    """Remove the credential files of this OS user in ``directory`` that no live node holds; their names.
+
+    A file is an orphan when its exclusive lock can be taken (see
+    :class:`LocalCredential`); it is removed while that lock is held.
+    """
+    removed = []
+    try:
+        names = [n for n in os.listdir(directory) if _CREDENTIAL_NAME.match(n) or _DRAFT_NAME.match(n)]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:  # another user's, or gone meanwhile
+            continue
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a live node holds it
+                continue
+            os.unlink(path)
+            removed.append(name)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed
 
 
 def read_local_credential(path: str) -> bytes | None:
     """A tokenless node's secret from the file its challenge named; ``None`` when not readable here."""
     name = os.path.basename(path)
-    if os.path.dirname(path) != LocalCredential.DIRECTORY or not re.match(r"^dkv-[A-Za-z0-9_-]+\.credential$", name):
+    if os.path.dirname(path) != LocalCredential.DIRECTORY or not _CREDENTIAL_NAME.match(name):
         return None
     try:
         secret = Path(path).read_bytes().strip()

@@ -20,6 +20,7 @@ import functools
 import itertools
 import logging
 import os
+import resource
 import secrets
 import socket
 import time
@@ -79,6 +80,11 @@ IDLE_SCAN_INTERVAL = 1.0  # how often idle connections are looked for
 # Touch and probe work through it in chunks of this cost, letting other connections in between.
 YIELD_COST = 2048
 COSTED_OPS = frozenset({"lookup", "probe", "touch"})
+# Descriptors one connection may hold in the node (measured: 3 for a UCX one, its connection-manager
+# socket and its data sockets; 1 for a same-host control socket), with a margin; and those the node
+# holds besides its connections.
+DESCRIPTORS_PER_CONNECTION = 4
+DESCRIPTOR_SLACK = 256
 
 
 @dataclass
@@ -252,6 +258,7 @@ class NodeServer:
             self._disk_worker.start()
         await self.handover.start()
         await self.control.start()
+        _raise_descriptor_limit(self.config.max_connections * DESCRIPTORS_PER_CONNECTION + DESCRIPTOR_SLACK)
         self._listener = Listener(self._serve, self.config.port)
         self._expiry = asyncio.create_task(self._expire_forever(), name="dkv-expiry")
         if self.cluster_config is not None:
@@ -806,7 +813,8 @@ class NodeServer:
             "host": {"free": host_free, "total": host_total, "used": host_total - host_free,
                      "segments": self.arena.segments, "free_resident": self.arena.resident_free,
                      "trims": self.arena.trims},
-            "disk": {"free": disk_free, "total": disk_total, "used": disk_total - disk_free},
+            "disk": {"free": disk_free, "total": disk_total, "used": disk_total - disk_free,
+                     "state": store.disk_state()},  # "ok", "full", "missing", "failing" ("off": no tier)
             "blocks": len(store.blocks),
             "blocks_on_disk": store.blocks_off_host(),
             "staging": dict(zip(("blocks", "bytes"), store.staging_usage())),
@@ -818,6 +826,8 @@ class NodeServer:
             "connections": self._connections(),
             "unauthenticated": len(self._authenticating),
             "reaped": dict(self.reaped),  # closed by the node: "idle" (idle timeout), "cap" (to admit another)
+            # connections UCX left stuck after a malformed connection request, reset (dkv.stuck_connections)
+            "stuck_connections_reset": self._listener.stuck_connections_reset if self._listener is not None else 0,
             "clients": len(self._client_conns),
             "ops": dict(self.ops),
             "errors": dict(self.errors_by_code),
@@ -845,6 +855,28 @@ def _tenant_of(peer: _Peer) -> str:
 def _pack_masks(masks: dict[str, list[bool]]) -> dict[str, bytes]:
     """Masks travel as one byte per hash (0 or 1): compact and cheap to build."""
     return {leaf: bytes(mask) for leaf, mask in masks.items()}
+
+
+def _raise_descriptor_limit(wanted: int) -> None:
+    """Raise this process's soft descriptor limit towards ``wanted`` (never past the hard limit).
+
+    At the limit UCX can accept no connection: its listener then fails every
+    accept and logs each failure, thousands of lines a second. So the node
+    takes what its connection bound needs, within what the system allows,
+    and says so once when that is too little.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (OSError, ValueError) as exc:
+            log.debug("cannot raise the descriptor limit to %d: %s", target, exc)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        log.warning("descriptor limit %d (hard %s) is below the %d that --max-connections may need "
+                    "(%d per connection): raise it (ulimit -n) or lower --max-connections",
+                    soft, hard, wanted, DESCRIPTORS_PER_CONNECTION)
 
 
 def _label(node_id: str) -> str:

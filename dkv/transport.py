@@ -50,7 +50,7 @@ import mmap
 import os
 import threading
 import weakref
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -60,13 +60,63 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 # reads these; an operator's own setting wins.
 os.environ.setdefault("UCX_TCP_TX_SEG_SIZE", "512k")
 os.environ.setdefault("UCX_TCP_RX_SEG_SIZE", "512k")
+# SO_REUSEADDR on the listening socket (UCX's default: off). Without it a node restarted after a
+# crash cannot listen on its port for about a minute: the dead node's side of each connection it
+# had holds the port in TIME_WAIT. A port another process listens on stays refused (no SO_REUSEPORT).
+os.environ.setdefault("UCX_TCP_CM_REUSEADDR", "y")
+
+# UCX, UCXX (ucxx's C++ layer) and UCX-Py (its Python layer) each log on their own, straight to
+# the terminal (UCX and UCXX to stdout), at a level each reads from the environment once: UCX and
+# UCX-Py as ucxx is imported, UCXX as UCX is initialised. They follow dKV's level (DKV_LOG_LEVEL,
+# else the "dkv" logger's level), by column: UCX_LOG_LEVEL, UCXX_LOG_LEVEL, UCXPY_LOG_LEVEL.
+# UCXX and UCX-Py report failures that reach dKV as errors it reports in its own words (a refused
+# connect, a peer gone) and per-peer noise a stranger can cause at will (a malformed connection
+# request): below debug they are silent. An operator's own setting of any of them wins.
+UCX_LOG_LEVELS = {
+    logging.DEBUG: ("DIAG", "DIAG", "WARNING"),
+    logging.INFO: ("WARN", "FATAL", "CRITICAL"),
+    logging.WARNING: ("WARN", "FATAL", "CRITICAL"),
+    logging.ERROR: ("ERROR", "FATAL", "CRITICAL"),
+    logging.CRITICAL: ("FATAL", "FATAL", "CRITICAL"),
+}
+_UCX_LOG_VARIABLES = ("UCX_LOG_LEVEL", "UCXX_LOG_LEVEL", "UCXPY_LOG_LEVEL")
+
+
+def ucx_log_levels() -> dict[str, str]:
+    """The UCX, UCXX and UCX-Py log levels that follow dKV's level (``DKV_LOG_LEVEL``, else the ``dkv`` logger's)."""
+    name = os.environ.get("DKV_LOG_LEVEL", "").strip().upper()
+    level = logging.getLevelName(name) if name else logging.getLogger("dkv").getEffectiveLevel()
+    if not isinstance(level, int):  # an unknown name: dKV's own default
+        level = logging.WARNING
+    row = next((UCX_LOG_LEVELS[k] for k in sorted(UCX_LOG_LEVELS) if level <= k), UCX_LOG_LEVELS[logging.CRITICAL])
+    return dict(zip(_UCX_LOG_VARIABLES, row))
+
+
+@contextlib.contextmanager
+def _ucx_log_environment() -> Iterator[None]:
+    """Set the UCX log levels the operator did not set, for as long as UCX reads them, then take them back.
+
+    Taken back so that a process started from this one (a node, a CLI
+    command) derives its own from its own level instead of inheriting these.
+    """
+    added = {k: v for k, v in ucx_log_levels().items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
+
+
+with _ucx_log_environment():
+    import ucxx  # noqa: E402
 
 import numpy as np  # noqa: E402
-import ucxx  # noqa: E402
 from ucxx._lib.arr import Array  # noqa: E402
 from ucxx._lib_async.application_context import ProgressTasks  # noqa: E402
 
 from dkv.errors import OpTimeout, ProtocolError, TransportError  # noqa: E402
+from dkv.stuck_connections import StuckConnectionReaper  # noqa: E402
 from dkv.wire import (  # noqa: E402
     FLAG_INLINE,
     HEADER_SIZE,
@@ -137,11 +187,12 @@ def init_transport(progress_mode: str | None = None) -> None:
         _owner_loop = None
     mode = progress_mode or os.environ.get("DKV_UCX_PROGRESS", "thread")
     threaded = mode.startswith("thread")
-    ucxx.init(
-        progress_mode=mode,
-        enable_python_future=threaded,
-        enable_delayed_submission=threaded and os.environ.get("DKV_UCX_DELAYED_SUBMISSION", "0") == "1",
-    )
+    with _ucx_log_environment():  # UCXX reads its level here
+        ucxx.init(
+            progress_mode=mode,
+            enable_python_future=threaded,
+            enable_delayed_submission=threaded and os.environ.get("DKV_UCX_DELAYED_SUBMISSION", "0") == "1",
+        )
     _initialised = True
 
 
@@ -693,9 +744,17 @@ async def connect(host: str, port: int, timeout: float = CONNECT_TIMEOUT) -> Con
 class Listener:
     """A UCX listener handing each accepted connection to ``handler`` (peer-failure detection on).
 
-    UCX listeners bind every interface; ``port=0`` picks a free port. An open
-    listener holds the transport (:func:`hold_transport`); closing it lets go
-    without stopping UCX (its server calls :func:`stop_progress` as it ends).
+    UCX listeners bind every interface; ``port=0`` picks a free port, and a
+    port another process listens on raises :class:`TransportError` (a port
+    that only a dead process's closing connections hold is taken: see
+    ``UCX_TCP_CM_REUSEADDR`` above). An open listener holds the transport
+    (:func:`hold_transport`); closing it lets go without stopping UCX (its
+    server calls :func:`stop_progress` as it ends).
+
+    Made on a running event loop, it also resets the connections that UCX
+    leaves stuck on its port when a peer sends a malformed connection request
+    (:mod:`dkv.stuck_connections`): without that, each would hold a descriptor
+    and keep UCX's async thread spinning for the life of the process.
     """
 
     def __init__(self, handler: Callable[[Connection], Awaitable[None]], port: int = 0) -> None:
@@ -712,12 +771,30 @@ class Listener:
         # HANDSHAKE_NEVER_TIMES_OUT): a client that stalls it and then goes on would write into
         # freed memory of the node. It is never timed out; a stalled one ends when the client
         # completes it or its endpoint fails (the client died).
-        self._listener = ucxx.create_listener(_accept, port=port, endpoint_error_handling=True,
-                                              connect_timeout=HANDSHAKE_NEVER_TIMES_OUT)
+        try:
+            self._listener = ucxx.create_listener(_accept, port=port, endpoint_error_handling=True,
+                                                  connect_timeout=HANDSHAKE_NEVER_TIMES_OUT)
+        except ucxx.exceptions.UCXBusyError as exc:
+            raise TransportError(f"cannot listen: port {port} is in use by another process") from exc
         hold_transport()
         self.port: int = self._listener.port
+        self._reaper: StuckConnectionReaper | None = None
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no loop to scan on
+            return
+        self._reaper = StuckConnectionReaper(self.port)
+        self._reaper.start()
+
+    @property
+    def stuck_connections_reset(self) -> int:
+        """Connections stuck in UCX's connection manager that this listener reset (see the class docstring)."""
+        return self._reaper.resets if self._reaper is not None else 0
 
     def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.close()
+            self._reaper = None
         if self._listener is not None:
             self._listener.close()
             self._listener = None
