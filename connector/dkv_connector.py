@@ -316,11 +316,19 @@ class DKVConnector:
         device-to-host copy is queued here, behind the compute stream). The
         returned transfer's ``g0_blocks_per_leaf`` are the device blocks to
         keep pinned until it completes. A failed offload completes without
-        raising (the blocks are simply not stored) and is counted.
+        raising (the blocks are simply not stored) and is counted. While the
+        co-located node is backing off (it failed to answer a lookup, load or
+        offload: the same backoff as lookups), an offload is dropped here,
+        without asking: a :class:`CompletedTransfer` pinning nothing, counted
+        (``counters.offloads_dropped``, metrics ``connector_offload_blocks_dropped``).
         """
-        plan = self._sched.plan_offload(block_ids, block_hashes, replica_idx)
+        sched = self._sched
+        plan = sched.plan_offload(block_ids, block_hashes, replica_idx)
         if not plan.runs or self._worker.closed:
             return CompletedTransfer()  # moves nothing: pinned nowhere
+        if sched.backing_off(self.node_address):
+            sched.drop_offload(plan)
+            return CompletedTransfer()
         transfer = self._worker.post_offload(plan)
         return CompletedTransfer() if transfer is None else transfer
 

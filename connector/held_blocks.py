@@ -52,6 +52,11 @@ class HeldBlocks:
             while len(seen) > self._capacity:
                 seen.popitem(last=False)
 
+    def forget(self) -> None:
+        """Forget everything: the node stopped answering, and may come back empty."""
+        with self._lock:
+            self._seen.clear()
+
     def holds(self, leaf: str, block_hash: bytes) -> bool:
         """True when the node said it holds the pair within the last ``max_age`` seconds."""
         with self._lock:

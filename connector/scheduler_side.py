@@ -156,6 +156,7 @@ class ConnectorCounters:
     offloads: int = 0
     blocks_offloaded: int = 0
     offloads_failed: int = 0
+    offloads_dropped: int = 0  # the co-located node failed to answer recently: dropped without asking (backoff)
     touches: int = 0
     touches_dropped: int = 0  # MAX_BACKGROUND touches were already in flight
     resets_coalesced: int = 0  # a reset asked while another was still waiting to start: that one does it
@@ -322,9 +323,11 @@ class SchedulerSide:
         if hint is None:
             return self.node_address, False
         # one read of the router's member table: an immutable snapshot, whatever the loop thread does meanwhile
-        members: Mapping[str, MemberRecord] = self.router.members if self.router is not None else {}
+        router = self.router
+        members: Mapping[str, MemberRecord] = router.members if router is not None else {}
+        recent = getattr(router, "recently_live", None)  # members live a short, bounded while ago
         try:
-            member = resolve_hint(hint, self.namespace, hashes, members)
+            member = resolve_hint(hint, self.namespace, hashes, members, recent)
         except UnusableHint as exc:
             self.count_unusable_hint(exc.reason)
             return self.node_address, False
@@ -333,7 +336,9 @@ class SchedulerSide:
             return self.node_address, False
         if member is None or member.node_id == self.node_id:
             return self.node_address, False
-        if self.backing_off(member.address, member.epoch):
+        # a member only recently live (router.recently_live) is backed off whatever epoch it was marked at
+        epoch = member.epoch if members.get(member.node_id) is member else None
+        if self.backing_off(member.address, epoch):
             self.count_unusable_hint(PEER_UNREACHABLE)
             return self.node_address, False
         return member.address, True
@@ -350,14 +355,16 @@ class SchedulerSide:
         return False
 
     def unanswered(self, address: str, exc: BaseException, *, closed: bool = False) -> None:
-        """Any thread: a node did not answer a lookup or a load (transport failure or timeout): leave it alone a while.
+        """Any thread: a node did not answer a lookup, a load or an offload (transport failure or timeout): leave it alone a while.
 
         A dead or hung node then costs one bounded wait, not one per request:
         for ``UNREACHABLE_BACKOFF`` seconds hints naming it are misses counted
         as ``peer_unreachable`` (unless it re-registers with a new epoch), and
         a co-located node that does not answer makes lookups immediate misses
-        (``lookups_skipped``). ``closed``: the connector is shutting down, so
-        a failure to answer says nothing about the node.
+        (``lookups_skipped``) and offloads immediate drops (``offloads_dropped``,
+        see :meth:`drop_offload`). What the co-located node was known to hold
+        is forgotten: it may come back empty. ``closed``: the connector is
+        shutting down, so a failure to answer says nothing about the node.
         """
         if isinstance(exc, PeerUnauthenticated):  # anyone can put an address into etcd: never trust it
             if address != self.node_address:
@@ -371,6 +378,8 @@ class SchedulerSide:
         self.unreachable[address] = (epoch, self.clock() + UNREACHABLE_BACKOFF)
         if address != self.node_address:
             self.add_metrics(dkv_peer_attach_failures=1)
+        else:
+            self.held.forget()
         log.warning("node %s did not answer (%s); not asking it again for %.0f s", address, exc,
                     UNREACHABLE_BACKOFF)
 
@@ -484,6 +493,16 @@ class SchedulerSide:
                 runs.append(LeafRun(run.leaf, run.shards, [run.block_ids[i] for i in keep],
                                     [run.hashes[i] for i in keep]))
         return TransferPlan(runs) if changed else plan
+
+    def drop_offload(self, plan: TransferPlan) -> None:
+        """Any thread: an offload not sent because the co-located node is backing off (:meth:`backing_off`).
+
+        Counted in ``counters.offloads_dropped`` and, per leaf block, in the
+        protocol's metrics (``connector_offload_blocks_dropped``). Nothing was
+        written, so the node publishes nothing of it, and nothing is learnt.
+        """
+        self.count(offloads_dropped=1)
+        self.add_metrics(connector_offload_blocks_dropped=sum(len(run.hashes) for run in plan.runs))
 
     def learn_offload(self, plan: TransferPlan, statuses: Sequence[str]) -> int:
         """Loop thread: remember what the node now holds; returns the bytes it took (the D2H bytes this offload moved)."""

@@ -104,6 +104,7 @@ else:
         disk_bytes_written: int = 0
         disk_bytes_read: int = 0
         connector_loads_refused: int = 0
+        connector_offload_blocks_dropped: int = 0  # leaf blocks an offload did not store (dKV: node backing off)
         dkv_peer_loads: int = 0
         dkv_peer_load_failures: int = 0
         dkv_hints_rejected: int = 0

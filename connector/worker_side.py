@@ -459,12 +459,16 @@ class WorkerSide:
         async def run() -> None:
             while not ready.is_done():
                 await asyncio.sleep(0.0005)
+            if sched.backing_off(self.node_address):  # found unanswering since this was posted: nothing sent
+                sched.drop_offload(plan)
+                return
             try:
                 client = self.client(self.node_address)
                 with self.using(client):
                     result = await client.write(plan.keys(), sources())
             except Exception as exc:
                 sched.count(offloads_failed=1, checksum_failures=int(isinstance(exc, ChecksumMismatch)))
+                self.unanswered(self.node_address, exc)  # a dead node: later offloads and lookups back off
                 raise
             sched.count(blocks_offloaded=result.stored)
             sched.add_metrics(d2h_bytes_copied=sched.learn_offload(plan, result.statuses))

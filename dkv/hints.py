@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from dkv.etcd import MemberRecord
@@ -192,11 +192,15 @@ def _parse_max(doc: dict) -> Hint:
     return Hint(peer_id=name)
 
 
+RecentMember = Callable[[str, str | None], MemberRecord | None]  # (peer id, epoch) -> record
+
+
 def resolve_hint(
     raw: bytes | str | None,
     namespace: str,
     hashes: Sequence[bytes],
     members: Mapping[str, MemberRecord],
+    recent: RecentMember | None = None,
 ) -> MemberRecord | None:
     """The live peer a hint names for this request, ``None`` for no hint.
 
@@ -204,15 +208,24 @@ def resolve_hint(
     is present but cannot be used: unparseable, unknown version, a peer that is
     not a live member, a stale epoch, another namespace, or a deepest hash that
     is not this request's hash at ``depth - 1``.
+
+    ``recent(peer_id, epoch)`` (a router's :meth:`~dkv.router.Router.recently_live`)
+    may vouch for a peer that is not in ``members`` at the hint's epoch but
+    was a live member at it a short, bounded while ago: its record is returned.
     """
     if raw is None:
         return None
     hint = parse_hint(raw)
     member = members.get(hint.peer_id)
-    if member is None:
-        raise UnusableHint(UNKNOWN_PEER, f"peer {hint.peer_id!r} is not a live member")
-    if hint.epoch is not None and hint.epoch != member.epoch:
-        raise UnusableHint(STALE_EPOCH, f"peer {hint.peer_id!r} is at epoch {member.epoch}, hint says {hint.epoch}")
+    if member is None or (hint.epoch is not None and hint.epoch != member.epoch):
+        vouched = recent(hint.peer_id, hint.epoch) if recent is not None else None
+        if vouched is not None:
+            member = vouched
+        elif member is None:
+            raise UnusableHint(UNKNOWN_PEER, f"peer {hint.peer_id!r} is not a live member")
+        else:
+            raise UnusableHint(STALE_EPOCH,
+                               f"peer {hint.peer_id!r} is at epoch {member.epoch}, hint says {hint.epoch}")
     if hint.namespace is not None and hint.namespace != namespace:
         raise UnusableHint(WRONG_NAMESPACE, f"hint is for namespace {hint.namespace!r}")
     if hint.deepest_hash is not None and hint.deepest_hash not in hashes:

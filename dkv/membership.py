@@ -1,7 +1,8 @@
 """A node's membership in etcd: one lease, the member key on it, kept alive, re-made when lost.
 
 Registration is create-if-absent: a second live node with the same id is
-refused (:class:`NodeIdTaken`). The lease is kept alive every TTL/3; if etcd
+refused (:class:`NodeIdTaken`). The lease is kept alive every TTL/3 (every
+``RETRY_INTERVAL`` while etcd does not answer); if etcd
 says the lease is gone, or no keep-alive succeeded for a whole TTL (an etcd
 outage longer than the TTL), the node counts the lease as lost and
 re-registers as soon as etcd answers: a new epoch, a new lease, and its
@@ -23,6 +24,8 @@ from dkv.errors import NodeIdTaken
 from dkv.etcd import DEFAULT_ETCD_TIMEOUT, Layout, MemberRecord, cluster_error
 
 log = logging.getLogger(__name__)
+
+RETRY_INTERVAL = 0.5  # seconds between keep-alive attempts while etcd does not answer
 
 
 class Membership:
@@ -122,21 +125,33 @@ class Membership:
         return 0
 
     async def _keep_alive_forever(self) -> None:
+        """Keep the lease alive every TTL/3; while etcd does not answer, try every ``RETRY_INTERVAL``.
+
+        So a node whose lease was lost in an outage registers again (and its
+        entries are republished) within about ``RETRY_INTERVAL`` of etcd
+        answering, not a TTL/3 later.
+        """
+        answered = True
         while True:
-            await asyncio.sleep(self.ttl / 3)
+            await asyncio.sleep(self.ttl / 3 if answered else min(self.ttl / 3, RETRY_INTERVAL))
+            answered = False
             try:
                 if self.lease_id is None:
                     await self._reregister()
+                    answered = True
                     continue
                 if await self._keep_alive_once() <= 0:
                     self._lose_lease("etcd reports the lease expired")
                     await self._reregister()
+                    answered = True
                     continue
                 self._last_ok = time.monotonic()
+                answered = True
                 await self._refresh_record()
             except asyncio.CancelledError:
                 raise
             except NodeIdTaken as exc:
+                answered = True  # etcd answered: another live node holds the id; ask again at the usual pace
                 log.error("cannot re-register: %s", exc)
             except Exception as exc:  # noqa: BLE001 - etcd outages must not stop the node
                 log.warning("etcd keep-alive failed: %s", exc)

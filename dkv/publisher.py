@@ -43,6 +43,7 @@ from dkv.store import StoreKey
 log = logging.getLogger(__name__)
 
 DirKey = tuple[str, bytes]  # (namespace, hash)
+MAX_RETRY_INTERVAL = 0.5  # seconds: a failed flush is retried at most this long after (etcd may be back)
 
 
 @dataclass
@@ -190,7 +191,7 @@ class DirectoryPublisher:
                 raise
             except Exception as exc:  # noqa: BLE001 - etcd may be away; keep serving, retry later
                 self.counters.flush_failures += 1
-                backoff = min(max(backoff * 2, 0.1), 2.0)
+                backoff = min(max(backoff * 2, 0.1), MAX_RETRY_INTERVAL)
                 log.debug("directory flush failed (%s); retrying in %.2fs", exc, backoff)
 
     async def _apply(self, batch: Iterable[tuple[DirKey, bool]]) -> None:

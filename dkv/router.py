@@ -25,20 +25,37 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any
 
 from etcd3aio import Etcd3Client
 
 from dkv.errors import DKVError
-from dkv.etcd import DEFAULT_ETCD_TIMEOUT, Layout, MemberRecord, cluster_error, get_prefix, prefix_end
+from dkv.etcd import (
+    DEFAULT_ETCD_TIMEOUT,
+    RECONNECT_MAX,
+    Layout,
+    MemberRecord,
+    cluster_error,
+    get_prefix,
+    prefix_end,
+)
 from dkv.hints import build_hint
 
 log = logging.getLogger(__name__)
 
 PUT, DELETE = 0, 1
-RESYNC_DELAY = 0.5
+RESYNC_DELAY = 0.1  # seconds before the first reload after the watch broke (then doubling, to RECONNECT_MAX)
+# Seconds a member that left the table (its key deleted: a lease that ran out or was revoked, a
+# graceful stop) or registered again under a new epoch still counts as recently live, for hints
+# that name it (:meth:`Router.recently_live`). A node whose etcd lease ran out in an outage
+# registers again with a new epoch once etcd is back, keeping the blocks it held: hints made
+# before that still name its old epoch, and serve for this long.
+MEMBER_GRACE = 30.0
+MAX_DEPARTED = 4096  # departed members remembered at once (the oldest are forgotten first)
 
 
 @dataclass(frozen=True)
@@ -139,6 +156,9 @@ class Router:
         self.resyncs = 0
         self._synced = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        # node id -> (its last record, when it stopped being live); replaced whole (loop thread), read anywhere
+        self._departed: Mapping[str, tuple[MemberRecord, float]] = MappingProxyType({})
+        self.clock: Callable[[], float] = time.monotonic
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -202,30 +222,57 @@ class Router:
                     lease_of[node_id] = item.lease
             elif (parsed := self.layout.parse_block_key(key)) is not None:
                 fresh.put(*parsed)
+        previous = self._snap.members
         self._snap = fresh.with_members(members, lease_of)
         self.revision = revision
+        self._note_departed(old for node_id, old in previous.items()
+                            if node_id not in members or members[node_id].epoch != old.epoch)
         self._synced.set()
 
     async def _follow(self) -> None:
+        """Follow the watch; when it breaks (etcd away, a compaction), reload the snapshot, then watch again.
+
+        A reload that fails (etcd still away) is tried again, at most
+        ``RECONNECT_MAX`` seconds apart, so the router is current again about
+        that long after etcd answers. Readers keep the last snapshot meanwhile.
+        """
         root = self.layout.root
         while True:
             try:
-                async for response in self.client.watch.watch(root, range_end=prefix_end(root),
-                                                              start_revision=self.revision + 1):
-                    if response.compact_revision > 0 or response.canceled:
-                        raise _Resync(f"watch compacted at {response.compact_revision}")
-                    for event in response.events:
-                        self._apply(event.type, event.kv.key.decode(), event.kv.value, event.kv.lease)
-                    if response.header.revision:
-                        self.revision = max(self.revision, response.header.revision)
+                # closed here, however this ends (a cancel included), so its stream ends with it
+                async with contextlib.aclosing(self._watch(root, prefix_end(root), self.revision + 1)) as responses:
+                    async for response in responses:
+                        if response.compact_revision > 0 or response.canceled:
+                            raise _Resync(f"watch compacted at {response.compact_revision}")
+                        for event in response.events:
+                            self._apply(event.type, event.kv.key.decode(), event.kv.value, event.kv.lease)
+                        if response.header.revision:
+                            self.revision = max(self.revision, response.header.revision)
+                raise _Resync("the watch ended")
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - reload and carry on
                 log.info("router watch interrupted (%s); reloading the snapshot", exc)
-                await asyncio.sleep(RESYNC_DELAY)
-                with contextlib.suppress(Exception):
+            delay = RESYNC_DELAY
+            while True:
+                await asyncio.sleep(delay)
+                try:
                     await self._load_snapshot()
-                    self.resyncs += 1
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - etcd still away: the old snapshot serves meanwhile
+                    delay = min(delay * 2, RECONNECT_MAX)
+                    log.debug("router reload failed (%s); again in %.1f s", exc, delay)
+                    continue
+                self.resyncs += 1
+                break
+
+    def _watch(self, key: str, range_end: bytes, start_revision: int) -> AsyncIterator[Any]:
+        """One watch stream (:meth:`dkv.etcd.EtcdClient.watch_range`; a plain etcd3aio client's own watch otherwise)."""
+        watch_range = getattr(self.client, "watch_range", None)
+        if watch_range is not None:
+            return watch_range(key, range_end, start_revision)  # type: ignore[no-any-return]
+        return self.client.watch.watch(key, range_end=range_end, start_revision=start_revision)
 
     # ---- index maintenance (the loop thread only) ---------------------------------------------
 
@@ -239,12 +286,15 @@ class Router:
                     return
                 joined = node_id not in snap.members
                 self._snap = snap.with_members({**snap.members, node_id: record}, {**snap.lease_of, node_id: lease})
+                if not joined and snap.members[node_id].epoch != record.epoch:
+                    self._note_departed([snap.members[node_id]])
                 self._emit(quiet, ClusterEvent("join" if joined else "update", node_id))
             elif node_id in snap.members:
                 members, lease_of = dict(snap.members), dict(snap.lease_of)
                 del members[node_id]
                 lease_of.pop(node_id, None)
                 self._snap = snap.with_members(members, lease_of)
+                self._note_departed([snap.members[node_id]])
                 self._emit(quiet, ClusterEvent("leave", node_id))
             return
         parsed = self.layout.parse_block_key(key)
@@ -257,6 +307,17 @@ class Router:
         elif snap.remove(namespace, block_hash, holder):
             self._emit(quiet, ClusterEvent("unpublish", holder, namespace, block_hash))
 
+    def _note_departed(self, gone: Iterable[MemberRecord]) -> None:
+        """Remember members that stopped being live just now (loop thread; readers see the map replaced whole)."""
+        now = self.clock()
+        departed = {node_id: entry for node_id, entry in self._departed.items() if now - entry[1] < MEMBER_GRACE}
+        for record in gone:
+            departed.pop(record.node_id, None)
+            departed[record.node_id] = (record, now)
+        while len(departed) > MAX_DEPARTED:
+            del departed[next(iter(departed))]
+        self._departed = MappingProxyType(departed)
+
     def _emit(self, quiet: bool, event: ClusterEvent) -> None:
         if not quiet and self.on_event is not None:
             self.on_event(event)
@@ -267,6 +328,23 @@ class Router:
     def members(self) -> Mapping[str, MemberRecord]:
         """Live members by node id: a read-only mapping that never changes once taken."""
         return self._snap.members_view
+
+    def recently_live(self, node_id: str, epoch: str | None = None) -> MemberRecord | None:
+        """Any thread: ``node_id``'s record if it stopped being a live member less than ``MEMBER_GRACE`` s ago.
+
+        Only at ``epoch`` when one is given. "Stopped being live" is when this
+        router learnt it: its member key was deleted, or it registered again
+        under a new epoch. While etcd is away the router learns nothing, so the
+        members it last saw stay in :attr:`members` (the connector's backoff
+        of unanswering nodes covers one that died meanwhile).
+        """
+        entry = self._departed.get(node_id)
+        if entry is None:
+            return None
+        record, left = entry
+        if self.clock() - left >= MEMBER_GRACE or (epoch is not None and record.epoch != epoch):
+            return None
+        return record
 
     @property
     def lease_of(self) -> Mapping[str, int]:

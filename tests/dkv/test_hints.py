@@ -244,6 +244,30 @@ def test_hint_from_a_previous_epoch_is_stale() -> None:
     assert _reason(raw, hashes, {"n1": restarted}) == STALE_EPOCH
 
 
+def test_a_peer_recently_live_at_the_hints_epoch_is_vouched_for_and_no_other() -> None:
+    hashes = _chain(4)
+    old = _member("n1", epoch="100-aaaa")
+    raw = build_hint(old, NS, hashes, 2)
+    registered_again = _member("n1", epoch="200-bbbb")
+
+    def recent(peer_id: str, epoch: str | None) -> MemberRecord | None:
+        return old if (peer_id, epoch) == ("n1", "100-aaaa") else None
+
+    # left the table (its lease ran out), or back under a new epoch: the recent record serves the hint
+    assert resolve_hint(raw, NS, hashes, {}, recent) is old
+    assert resolve_hint(raw, NS, hashes, {"n1": registered_again}, recent) is old
+    # a peer live now at the hint's epoch needs no voucher; nothing vouched for keeps its reason
+    assert resolve_hint(raw, NS, hashes, {"n1": old}, lambda *_: None) is old
+    other = build_hint(_member("n2", epoch="100-aaaa"), NS, hashes, 2)
+    with pytest.raises(UnusableHint) as info:
+        resolve_hint(other, NS, hashes, {}, recent)
+    assert info.value.reason == UNKNOWN_PEER
+    newer = build_hint(_member("n1", epoch="300-cccc"), NS, hashes, 2)
+    with pytest.raises(UnusableHint) as info:
+        resolve_hint(newer, NS, hashes, {"n1": registered_again}, recent)
+    assert info.value.reason == STALE_EPOCH
+
+
 def test_hint_for_another_namespace_is_wrong_namespace() -> None:
     hashes = _chain(4)
     member = _member()

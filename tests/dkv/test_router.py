@@ -8,6 +8,7 @@ reads are the ones a node's publisher wrote after its store committed them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import statistics
 import time
@@ -22,7 +23,7 @@ from dkv.etcd import Layout, MemberRecord, make_client
 from dkv.hints import STALE_EPOCH, UNKNOWN_PEER, UnusableHint, parse_hint, resolve_hint
 from dkv.keys import BlockKey
 from dkv.publisher import DirectoryPublisher
-from dkv.router import ClusterEvent, Router
+from dkv.router import DELETE, MEMBER_GRACE, PUT, ClusterEvent, Router
 from dkv.store import StoreKey
 
 NS = "test/ns0"  # the clients fixture's namespace
@@ -344,3 +345,29 @@ async def test_a_router_starts_when_the_directory_outgrows_one_grpc_message(etcd
             await client.lease.revoke(lease, timeout=5)
     finally:
         await client.close()
+
+
+def test_a_member_that_left_or_registered_again_stays_recently_live_for_a_bounded_while() -> None:
+    layout = Layout(prefix="/unit")
+    router = Router(None, layout)  # type: ignore[arg-type] - fed by hand, no etcd
+    now = [1000.0]
+    router.clock = lambda: now[0]
+    first = MemberRecord("b", "127.0.0.1:7420", "100-aaaa", 1, 0.0, "h")
+    key = layout.node_key("b")
+    router._apply(PUT, key, first.to_json().encode(), 7)  # noqa: SLF001 - a watch event, by hand
+    assert router.recently_live("b", first.epoch) is None, "a live member is in members, not among the departed"
+
+    again = dataclasses.replace(first, epoch="200-bbbb")
+    router._apply(PUT, key, again.to_json().encode(), 8)  # noqa: SLF001 - registered again (new lease, new epoch)
+    assert router.members["b"].epoch == again.epoch
+    assert router.recently_live("b", first.epoch) == first
+    assert router.recently_live("b", again.epoch) is None
+
+    now[0] += MEMBER_GRACE / 2
+    router._apply(DELETE, key, b"", 0)  # noqa: SLF001 - its lease ends too
+    assert "b" not in router.members
+    assert router.recently_live("b", again.epoch) == again
+    assert router.recently_live("b") == again, "a hint without an epoch (MAX's form) takes the latest"
+    assert router.recently_live("b", first.epoch) is None, "one record per node: the latest departure"
+    now[0] += MEMBER_GRACE
+    assert router.recently_live("b", again.epoch) is None, "past the grace nothing is vouched for"

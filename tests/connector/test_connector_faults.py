@@ -1,0 +1,68 @@
+"""The connector when its co-located node dies: offloads back off as lookups do, and resume after a restart."""
+
+from __future__ import annotations
+
+import time
+
+import connector.scheduler_side as scheduler_side
+from cluster.etcd_process import free_port
+from connector.types import CompletedTransfer
+from tests.connector.test_connector import BOUND, chain, fill, offload_chain, wait
+
+BACKOFF = 3.0  # the unreachable-node backoff for these tests (10 s in service), so the restart is seen soon
+OFFLOADS = 8  # offloads posted while the node is dead
+
+
+def test_offloads_to_a_killed_colocated_node_are_dropped_at_once_and_resume_once_it_is_back(
+        node_factory, connectors, monkeypatch) -> None:
+    monkeypatch.setattr(scheduler_side, "UNREACHABLE_BACKOFF", BACKOFF)
+    listen = f"127.0.0.1:{free_port()}"
+    node = node_factory(listen=listen)
+    conn = connectors(node.address, timeout=2.0)
+    blocks = conn._blocks  # noqa: SLF001 - the connector's own device rows
+    leaves = list(blocks[0])
+    offload_chain(conn, blocks, chain(2))
+    assert conn.counters.blocks_offloaded == 2 * len(leaves)
+
+    node.kill()
+    first = conn.offload({leaf: [3] for leaf in leaves}, {leaf: chain(1) for leaf in leaves})
+    wait(first)  # the one offload that finds the node dead: one bounded wait, completes quietly
+    assert conn.counters.offloads_failed == 1
+
+    dropped = [chain(1) for _ in range(OFFLOADS)]
+    started = time.monotonic()
+    for i, hashes in enumerate(dropped):
+        ids = [4 + i]
+        for leaf in leaves:
+            fill(blocks, leaf, ids, seed=11)
+        transfer = conn.offload({leaf: ids for leaf in leaves}, {leaf: hashes for leaf in leaves})
+        assert transfer.is_complete(), "an offload to a node in backoff is answered at once, never waits"
+        assert isinstance(transfer, CompletedTransfer) and not transfer.g0_blocks_per_leaf, \
+            "a dropped offload pins no device block"
+    took = time.monotonic() - started
+    assert took < conn.timeout, f"{OFFLOADS} offloads to a dead node took {took:.1f} s: they waited on it"
+    assert conn.counters.offloads_dropped == OFFLOADS
+    assert conn.metrics.connector_offload_blocks_dropped == OFFLOADS * len(leaves), \
+        "the protocol's metrics count every dropped block, per leaf"
+    assert conn.counters.offloads_failed == 1, "dropped offloads never reached the node"
+    conn.poll_transfers()
+    assert not conn._worker.transfers, "nothing of a dropped offload is left on the books"  # noqa: SLF001
+    print(f"\n[faults] {OFFLOADS} offloads to a SIGKILLed co-located node answered in {took * 1000:.1f} ms")
+
+    restarted = node_factory(listen=listen)
+    assert restarted.address == node.address
+    deadline = time.monotonic() + BACKOFF + BOUND
+    again = chain(2)
+    while True:  # the backoff lets offloads through once it ends; until then they are dropped
+        for leaf in leaves:
+            fill(blocks, leaf, [20, 21], seed=13)
+        wait(conn.offload({leaf: [20, 21] for leaf in leaves}, {leaf: again for leaf in leaves}))
+        if conn.counters.blocks_offloaded > 2 * len(leaves):
+            break
+        assert time.monotonic() < deadline, "offloads never resumed after the node came back"
+        time.sleep(0.2)
+    assert conn.counters.blocks_offloaded == 4 * len(leaves)
+    masks = conn.lookup([*again, *dropped[0]])
+    assert all(mask == [True, True, False] for mask in masks.values()), \
+        "the restarted node holds what was offloaded after it, nothing a dropped offload carried"
+    conn.abandon_lookup(conn.start_lookup([]))
