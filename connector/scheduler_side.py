@@ -156,6 +156,7 @@ class ConnectorCounters:
     offloads: int = 0
     blocks_offloaded: int = 0
     offloads_failed: int = 0
+    offload_blocks_full: int = 0  # blocks the co-located node had no room for (its pool pinned, a quota): not stored
     offloads_dropped: int = 0  # the co-located node failed to answer recently: dropped without asking (backoff)
     touches: int = 0
     touches_dropped: int = 0  # MAX_BACKGROUND touches were already in flight

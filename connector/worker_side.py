@@ -39,6 +39,7 @@ from dkv.errors import ChecksumMismatch
 from dkv.etcd import EtcdSettings, Layout, make_client
 from dkv.loop_thread import LoopThread
 from dkv.router import Router
+from dkv.store import FULL
 
 log = logging.getLogger("connector.dkv_connector")
 
@@ -470,7 +471,7 @@ class WorkerSide:
                 sched.count(offloads_failed=1, checksum_failures=int(isinstance(exc, ChecksumMismatch)))
                 self.unanswered(self.node_address, exc)  # a dead node: later offloads and lookups back off
                 raise
-            sched.count(blocks_offloaded=result.stored)
+            sched.count(blocks_offloaded=result.stored, offload_blocks_full=result.statuses.count(FULL))
             sched.add_metrics(d2h_bytes_copied=sched.learn_offload(plan, result.statuses))
 
         try:

@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
 from dkv.arena import SegmentMapping, align_up
 from dkv.checksum import CHECKSUM_SIZE, block_checksum, is_checksum
@@ -358,6 +358,8 @@ class NodeClient:
             except TransportError as exc:
                 if pooled and not isinstance(exc, OpTimeout):  # the node closed it while idle, unseen till now
                     raise _StalePooledConnection(str(exc)) from exc
+                if isinstance(exc, OpTimeout) and not isinstance(exc, _Unanswered):
+                    raise _Unanswered(str(exc)) from exc  # the node is hung: see _call
                 raise
             self._return(session)
             session = None
@@ -412,12 +414,14 @@ class NodeClient:
                 return await self._session_call(fn)  # once more, on a connection of its own: what any pool does
         try:  # the first attempt without the retry machinery (it costs more than a same-host round trip)
             return await self._session_call(fn)
+        except _Unanswered:
+            raise  # a connected node that did not answer in time is hung: asking again only waits as long again
         except TransportError:
             pass
         async for attempt in AsyncRetrying(
             stop=stop_after_attempt(self.retries - 1),
             wait=wait_random_exponential(multiplier=0.05, max=1.0),
-            retry=retry_if_exception_type(TransportError),
+            retry=retry_if_exception(_worth_retrying),
             before=_backoff_once,
             reraise=True,
         ):
@@ -911,6 +915,20 @@ class _StalePooledConnection(TransportError):
     client's ``retries`` (the node may close idle connections; see its idle
     timeout and connection caps).
     """
+
+
+class _Unanswered(OpTimeout):
+    """A request on an open, handshaken connection that the node did not answer within the timeout.
+
+    Not retried, whatever the client's ``retries``: the node took the request
+    and is hung (paused, overloaded, its link cut), so each retry would wait as
+    long again (a failure to connect is still retried).
+    """
+
+
+def _worth_retrying(exc: BaseException) -> bool:
+    """Retry a failed connection or connect, never a request a connected node left unanswered (:class:`_Unanswered`)."""
+    return isinstance(exc, TransportError) and not isinstance(exc, _Unanswered)
 
 
 async def _backoff_once(state: Any) -> None:
