@@ -339,9 +339,15 @@ class WorkerSide:
 
     async def lookup_handle(self, address: str, hashes: list[bytes], group: int, peer: bool,
                             hint: bytes | None) -> LeaseState | None:
-        """Loop thread: a ``start_lookup`` handle's lookup; a failure is a counted miss (``None``), never an error."""
+        """Loop thread: a ``start_lookup`` handle's lookup; a failure is a counted miss (``None``), never an error.
+
+        Bounded as :meth:`DKVConnector.lookup` waits (``timeout + 1``): the
+        client's own retries of a connect that never completes (a paused
+        node) must not add up to several timeouts on a handle.
+        """
         try:
-            state = await self.lookup_on(address, hashes, group, peer, hint)
+            async with asyncio.timeout(self.timeout + 1):
+                state = await self.lookup_on(address, hashes, group, peer, hint)
         except Exception as exc:  # noqa: BLE001 - a dead or slow node costs a miss
             self.unanswered(address, exc)
             state = None

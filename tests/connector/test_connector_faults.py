@@ -7,7 +7,7 @@ import time
 import connector.scheduler_side as scheduler_side
 from cluster.etcd_process import free_port
 from connector.types import CompletedTransfer
-from tests.connector.test_connector import BOUND, chain, fill, offload_chain, wait
+from tests.connector.test_connector import BOUND, answered, chain, fill, offload_chain, wait
 
 BACKOFF = 3.0  # the unreachable-node backoff for these tests (10 s in service), so the restart is seen soon
 OFFLOADS = 8  # offloads posted while the node is dead
@@ -66,3 +66,33 @@ def test_offloads_to_a_killed_colocated_node_are_dropped_at_once_and_resume_once
     assert all(mask == [True, True, False] for mask in masks.values()), \
         "the restarted node holds what was offloaded after it, nothing a dropped offload carried"
     conn.abandon_lookup(conn.start_lookup([]))
+
+
+def test_a_start_lookup_on_a_node_that_stopped_answering_completes_within_the_timeout(node_factory,
+                                                                                     connectors) -> None:
+    """A lookup handle answers as ``lookup()`` does: a miss within the timeout, not after every retry of it.
+
+    A paused node never completes a connect: the client's retries of that
+    connect (three, each bounded by the timeout) must not add up on a handle.
+    """
+    node = node_factory()
+    beside = connectors(node.address, timeout=2.0)  # same-host: its own bounded wait first, as in the soak
+    conn = connectors(node.address, timeout=2.0, local=False)
+    hashes = chain(2)
+    node.pause()
+    try:
+        assert answered(beside.start_lookup(hashes)) == {"full": [False, False], "swa": [False, False]}
+        started = time.monotonic()
+        handle = conn.start_lookup(hashes)
+        deadline = started + BOUND
+        while not handle.is_complete() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        took = time.monotonic() - started
+        assert handle.is_complete(), f"the handle had not answered after {BOUND} s"
+        # lookup() gives up after timeout + 1 s; the margin is for a loaded machine, far below the retries' 3 x 2 s
+        assert took < conn.timeout + 2.5, f"the handle answered after {took:.1f} s, not within the {conn.timeout} s timeout"
+        assert handle.result() == {"full": [False, False], "swa": [False, False]}, "a node that does not answer is a miss"
+        assert conn.counters.lookup_failures == 1
+        conn.abandon_lookup(handle)
+    finally:
+        node.resume()
