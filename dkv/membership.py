@@ -1,7 +1,10 @@
 """A node's membership in etcd: one lease, the member key on it, kept alive, re-made when lost.
 
 Registration is create-if-absent: a second live node with the same id is
-refused (:class:`NodeIdTaken`). The lease is kept alive every TTL/3 (every
+refused (:class:`NodeIdTaken`). A holder at this node's own address is not
+live, since this process listens there now: it is a predecessor that died
+without revoking its lease (SIGKILL), so its lease is ended and the node
+registers at once instead of waiting out the old TTL. The lease is kept alive every TTL/3 (every
 ``RETRY_INTERVAL`` while etcd does not answer); if etcd
 says the lease is gone, or no keep-alive succeeded for a whole TTL (an etcd
 outage longer than the TTL), the node counts the lease as lost and
@@ -17,6 +20,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from etcd3aio import Etcd3Client
 
@@ -90,14 +94,31 @@ class Membership:
 
     async def _register(self) -> None:
         grant = await self.client.lease.grant(self.ttl, timeout=self.timeout)
-        value = self._record().to_json()
+        record = self._record()
+        value = record.to_json()
         kv = self.client.kv
-        txn = await kv.txn(
-            compare=[kv.txn_compare_create_revision(self.key, 0)],
-            success=[kv.txn_op_put(self.key, value, lease=grant.ID)],
-            failure=[kv.txn_op_get(self.key)],
-            timeout=self.timeout,
-        )
+
+        async def create() -> Any:
+            return await kv.txn(
+                compare=[kv.txn_compare_create_revision(self.key, 0)],
+                success=[kv.txn_op_put(self.key, value, lease=grant.ID)],
+                failure=[kv.txn_op_get(self.key)],
+                timeout=self.timeout,
+            )
+
+        txn = await create()
+        if not txn.succeeded:
+            holder = txn.responses[0].response_range.kvs
+            previous = MemberRecord.from_json(holder[0].value) if holder else None
+            if previous is not None and previous.address == record.address and holder[0].lease:
+                # Our predecessor at this very address died without revoking its lease (SIGKILL, a
+                # crash): this process listens on that port now, so the holder is dead. End its lease
+                # (its member key and directory entries go with it) rather than wait out its TTL.
+                log.warning("node id %r was held by a dead process at our address %s (epoch %s): taking it over",
+                            self.node_id, previous.address, previous.epoch)
+                with contextlib.suppress(Exception):
+                    await self.client.lease.revoke(holder[0].lease, timeout=self.timeout)
+                txn = await create()
         if not txn.succeeded:
             holder = txn.responses[0].response_range.kvs
             with contextlib.suppress(Exception):

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from cluster.etcd_process import start_etcd
+from cluster.etcd_process import free_port, start_etcd
 from cluster.process import NodeStartError
 from dkv.etcd import Layout, MemberRecord, make_client, prefix_end
 from dkv.keys import BlockKey
@@ -85,6 +85,27 @@ async def test_second_live_node_with_the_same_id_is_refused(etcd, node_factory) 
     node_factory(*etcd.node_args("twin"))
     with pytest.raises(NodeStartError, match="already registered"):
         node_factory(*etcd.node_args("twin"))
+
+
+async def test_a_node_killed_and_restarted_on_its_address_registers_again_at_once(etcd, view, node_factory,
+                                                                                   clients) -> None:
+    listen = f"127.0.0.1:{free_port()}"
+    ttl = 60  # far longer than any wait below: the restart must not wait out the dead node's lease
+    first = node_factory(*etcd.node_args("lazarus", ttl=ttl), listen=listen)
+    old_epoch = (await view.members())["lazarus"].epoch
+    client = clients(first.address)
+    hashes = await _write_chain(client, 2)
+    await view.until(lambda: _eq(view.entries("lazarus"), set(hashes)), "entries published")
+    await client.close()
+    first.kill()
+
+    second = node_factory(*etcd.node_args("lazarus", ttl=ttl), listen=listen)  # old code: "already registered"
+    assert second.address == first.address
+    members = await view.members()
+    assert members["lazarus"].epoch != old_epoch
+    await view.until(lambda: _eq(view.entries("lazarus"), set()), "the dead node's entries went with its lease")
+    with pytest.raises(NodeStartError, match="already registered"):  # a live holder elsewhere is still refused
+        node_factory(*etcd.node_args("lazarus", ttl=ttl))
 
 
 async def test_restarted_node_gets_a_new_epoch(etcd, view, node_factory, clients) -> None:
