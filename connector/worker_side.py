@@ -46,6 +46,9 @@ log = logging.getLogger("connector.dkv_connector")
 STATS_INTERVAL = 1.0
 PEER_IDLE_TIMEOUT = 60.0  # seconds a peer's client may sit unused before it is closed (never the co-located one)
 MAX_BACKGROUND = 64  # fire-and-forget touches in flight at once; more are dropped and counted
+# transfers kept on the books before settled ones are dropped without waiting for poll_transfers():
+# an engine that never polls cannot grow them (and their futures and tasks) without bound
+MAX_BOOKED = 1024
 MAX_QUEUED_RELEASES = 1024  # lease releases waiting per node (a node ends a client's oldest lease past 64 anyway)
 
 
@@ -426,7 +429,7 @@ class WorkerSide:
             raise KVLoadFailed(f"could not post the load: {exc}") from exc
         self.sched.count(loads=1)
         transfer = Transfer(future, is_load=True)
-        self.transfers.append(transfer)
+        self._book(transfer)
         return transfer
 
     async def _read(self, state: LeaseState, plan: TransferPlan) -> Completion:
@@ -486,12 +489,18 @@ class WorkerSide:
             return None
         sched.count(offloads=1)
         transfer = Transfer(future, is_load=False, g0_blocks_per_leaf=plan.block_ids())
-        self.transfers.append(transfer)
+        self._book(transfer)
         return transfer
 
     def poll_transfers(self) -> None:
         """Scheduler thread: drop settled transfers from the books."""
         self.transfers = [t for t in self.transfers if not t._future.done()]
+
+    def _book(self, transfer: Transfer) -> None:
+        """Scheduler thread: keep ``transfer`` on the books; past ``MAX_BOOKED``, settled ones are dropped first."""
+        if len(self.transfers) >= MAX_BOOKED:
+            self.poll_transfers()
+        self.transfers.append(transfer)
 
     # ---- touches and resets -----------------------------------------------------------------------
 

@@ -39,3 +39,17 @@ def test_a_lookup_longer_than_one_lease_may_cover_reports_its_prefix_and_misses_
     wait(conn.load_lookup(handle, {"full": list(range(40, 72))}, {"full": hashes[:32]}))
     assert torch.equal(blocks[0]["full"][0][40:72], blocks[0]["full"][0][1:33])
     assert conn.counters.lookups_truncated == 2
+
+
+def test_an_engine_that_never_polls_transfers_keeps_a_bounded_book_of_them(node, connectors, monkeypatch) -> None:
+    import connector.worker_side as worker_side
+    from tests.connector.test_connector import chain, offload_chain
+
+    booked = 8
+    monkeypatch.setattr(worker_side, "MAX_BOOKED", booked, raising=False)  # 1 024 in service
+    conn = connectors(node.address)
+    blocks = conn._blocks  # noqa: SLF001 - the connector's own device rows
+    for _ in range(5 * booked):  # each waited until it settled, and never polled
+        offload_chain(conn, blocks, chain(1))
+    kept = len(conn._worker.transfers)  # noqa: SLF001
+    assert kept <= booked, f"{kept} settled transfers kept for an engine that never polls (bound {booked})"
