@@ -429,8 +429,11 @@ class Connection:
         staged = 0
         try:
             for start, end in payload_plan(sizes):
-                if end - start == 1:  # alone: straight into its buffer (a short message is the sender's loss)
-                    inflight.append((_request(self._ep.recv(items[start])), start, end, None, None))
+                if end - start == 1:  # alone: straight into its buffer, with a canary if it has room for one
+                    target = _canary_view(items[start]) if sizes[start] >= _CANARY else None
+                    if target is not None:
+                        _set_canaries(target, sizes[start:end], canary)
+                    inflight.append((_request(self._ep.recv(items[start])), start, end, target, None))
                     continue
                 stage = None
                 span = _span(items[start:end], sizes[start:end], writable=True)
@@ -445,45 +448,45 @@ class Connection:
                 inflight.append((_request(self._ep.recv(target)), start, end, target, stage))
                 while staged >= STAGED_WINDOW:
                     entry = inflight.popleft()
-                    await self._recv_group(entry, items, sizes, canary, later=bool(inflight))
+                    await self._recv_group(entry, items, sizes, canary)
                     if entry[4] is not None:
                         staged -= 1
             while inflight:
                 entry = inflight.popleft()
-                await self._recv_group(entry, items, sizes, canary, later=bool(inflight))
+                await self._recv_group(entry, items, sizes, canary)
         except BaseException:
             self.abort()  # first: no receive of this call lands later (staging in flight is dropped)
             raise
 
-    async def _recv_group(self, entry: tuple[Any, ...], items: list[Any], sizes: list[int], canary: bytes,
-                          later: bool) -> None:
+    async def _recv_group(self, entry: tuple[Any, ...], items: list[Any], sizes: list[int], canary: bytes) -> None:
         """Complete one posted receive; scatter a staged group.
 
         UCX does not say how long a received message was. So each buffer of a
         group gets a random canary in its last bytes before the receive is
         posted: a buffer whose canary was overwritten was reached by the
         message, and the message (one contiguous prefix of the group) then
-        covered it whole. When the message stopped short (a peer that sent the
-        group's blocks one message each, say), the rest of the group is
-        received as the next message; unless a later receive of this call is
-        already posted (the next message would land there): then the stream is
-        out of step and this is a :class:`ProtocolError`.
+        covered it whole. A message that stopped short is a
+        :class:`ProtocolError`: both sides derive the groups from the sizes
+        (:func:`dkv.wire.payload_plan`) and a peer sends each group as one
+        message, so a short one comes from a broken peer; and since UCX does
+        not say where it stopped (inside a buffer, perhaps), the rest could
+        not be received at the right offset. Nothing of the group is handed
+        on when it is staged (a spanned group's bytes are already in the
+        caller's buffers, which the caller must then treat as garbage). A
+        block received alone gets a canary too when it has room for one. Not
+        seen: a message that stops within a buffer's last ``_CANARY - 1``
+        bytes (what is left of the canary reads as data; telling it apart
+        would refuse one good buffer in 256): the block's checksum catches it.
         """
         task, start, end, target, stage = entry
         await task
         if target is None:
             return
-        group = sizes[start:end]
-        offset = _first_short(target, group, canary)
-        while offset is not None:
-            if later:
-                raise ProtocolError(f"a payload message from {self.peer} was shorter than its group")
-            await _request(self._ep.recv(target[offset:]))
-            rest = _first_short(target[offset:], _sizes_from(group, offset), canary)
-            offset = None if rest is None else offset + rest
+        if _first_short(target, sizes[start:end], canary) is not None:
+            raise ProtocolError(f"a payload message from {self.peer} was shorter than its group")
         if stage is not None:
             offset = 0
-            for buf, n in zip(items[start:end], group):
+            for buf, n in zip(items[start:end], sizes[start:end]):
                 _byte_view(buf)[:] = target[offset:offset + n]
                 offset += n
             _give_staging(stage)
@@ -620,6 +623,17 @@ def _span(buffers: Sequence[Any], sizes: Sequence[int], writable: bool = False) 
     return (ctypes.c_char * (end - base)).from_address(base)
 
 
+def _canary_view(buffer: Any) -> memoryview | None:
+    """A flat writable view of ``buffer`` itself (never a copy) to hold a canary; None when it has none."""
+    try:
+        view = memoryview(buffer)
+    except TypeError:  # no buffer protocol (an array type UCX takes another way): no canary
+        return None
+    if view.readonly or not view.c_contiguous:
+        return None
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
 def _set_canaries(target: memoryview, sizes: Sequence[int], canary: bytes) -> None:
     offset = 0
     for n in sizes:
@@ -635,16 +649,6 @@ def _first_short(target: memoryview, sizes: Sequence[int], canary: bytes) -> int
             return offset
         offset += n
     return None
-
-
-def _sizes_from(sizes: Sequence[int], offset: int) -> list[int]:
-    """The sizes of the buffers from the one starting at ``offset`` on."""
-    at = 0
-    for i, n in enumerate(sizes):
-        if at == offset:
-            return list(sizes[i:])
-        at += n
-    raise ValueError(f"no buffer starts at {offset}")
 
 
 def _take_staging(nbytes: int) -> bytearray:

@@ -15,7 +15,7 @@ import pytest
 
 from dkv.checksum import block_checksum
 from dkv.client import NodeClient, _check_reply
-from dkv.errors import ChecksumMismatch
+from dkv.errors import ChecksumMismatch, DKVError
 from dkv.keys import BlockKey
 from tests.conftest import on_ucx, wait_for_stats
 
@@ -110,11 +110,29 @@ async def test_block_changed_in_the_node_after_commit_fails_the_read_on_both_pat
 # ---- (b) a listener write whose payload is shorter than declared --------------------------------------
 
 
+# A payload message that stops within a block's last 7 bytes leaves part of the block's canary looking like
+# data (dkv.transport): the transport cannot tell it from a whole block, and the checksum is what catches it.
+UNSEEN_SHORT = BLOCK - 3
+
+
+async def test_listener_write_with_a_short_payload_message_is_refused_and_nothing_is_committed(node, clients) -> None:
+    client = clients(node.address, local=False)
+    hashes, data = _blocks(1)
+    declared = [block_checksum("L", 0, hashes[0], data[0])]
+    with pytest.raises(DKVError):  # one byte where a block was due: a protocol error, the node hangs up
+        await _raw_write(client._target, hashes, [BLOCK], declared, [data[0][:1]])  # noqa: SLF001
+    assert await client.probe(hashes, ["L"]) == {"L": [False]}
+    stats = await wait_for_stats(node.address, lambda s: s["reservations"] == 0)
+    assert stats["counters"]["commits"] == 0
+    assert (await client.write(_keys(hashes), data)).stored == 1  # the key and its slot are free again
+    assert await _read(client, hashes) == data
+
+
 async def test_listener_write_with_a_short_payload_is_not_committed(node, clients) -> None:
     client = clients(node.address, local=False)
     hashes, data = _blocks(1)
-    declared = [block_checksum("L", 0, hashes[0], data[0])]  # of the whole block; one byte follows
-    reply = await _raw_write(client._target, hashes, [BLOCK], declared, [data[0][:1]])  # noqa: SLF001
+    declared = [block_checksum("L", 0, hashes[0], data[0])]  # of the whole block; a few bytes fewer follow
+    reply = await _raw_write(client._target, hashes, [BLOCK], declared, [data[0][:UNSEEN_SHORT]])  # noqa: SLF001
     assert (reply["committed"], reply["rejected"]) == (0, 1)
     assert await client.probe(hashes, ["L"]) == {"L": [False]}
     stats = await wait_for_stats(node.address, lambda s: s["reservations"] == 0)
@@ -128,8 +146,8 @@ async def test_without_node_verification_a_short_write_is_stored_and_every_reade
     node = node_factory("--no-verify-writes")
     client = clients(node.address, local=False)
     hashes, data = _blocks(1)
-    declared = [block_checksum("L", 0, hashes[0], data[0])]  # of the whole block; one byte follows
-    reply = await _raw_write(client._target, hashes, [BLOCK], declared, [data[0][:1]])  # noqa: SLF001
+    declared = [block_checksum("L", 0, hashes[0], data[0])]  # of the whole block; a few bytes fewer follow
+    reply = await _raw_write(client._target, hashes, [BLOCK], declared, [data[0][:UNSEEN_SHORT]])  # noqa: SLF001
     assert (reply["committed"], reply["rejected"]) == (1, 0)
     for local in (True, False):
         mismatch = await _read_fails(clients(node.address, local=local), hashes)

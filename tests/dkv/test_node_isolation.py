@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import socket
@@ -99,7 +100,8 @@ async def test_a_payload_shorter_than_its_block_leaks_nothing_of_a_freed_slot(no
         reply = await _ask(attacker, {"op": "write", "keys": [list(key)], "sizes": [BLOCK], "shm": False})
         assert reply["ok"] is True
         await attacker.send_raw(b"\x01")  # one byte for a 64 KiB block
-        await attacker.recv_message()  # committed, or refused by the node's checksum check
+        with contextlib.suppress(DKVError):  # a short payload message is a protocol error: the node hangs up
+            await attacker.recv_message()
     finally:
         await attacker.close()
     leaked = await _read_back(clients, node.address, "tenant/y", key)
