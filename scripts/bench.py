@@ -71,6 +71,7 @@ for _p in (str(ROOT), str(Path(__file__).resolve().parent)):
     if _p not in sys.path:  # `cluster` and `connector` live at the repository root; bench_common here
         sys.path.insert(0, _p)
 
+from bench_common import die_with_parent, pid_alive  # noqa: E402
 from dkv.units import format_size, parse_size  # noqa: E402
 
 PAGE = 4096
@@ -182,16 +183,6 @@ def rotate(items: Sequence[Any], k: int) -> list[Any]:
     return list(items[k:]) + list(items[:k])
 
 
-def die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent dies (kept across exec: usable as a preexec_fn)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -229,14 +220,6 @@ def proc_status(pid: int) -> dict[str, int]:
     except (OSError, ValueError, IndexError):
         pass
     return out
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 class Rows:

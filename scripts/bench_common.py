@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmark scripts."""
+"""Helpers shared by the benchmark and soak scripts."""
 
 from __future__ import annotations
 
@@ -35,3 +35,28 @@ def machine_info() -> dict[str, Any]:
     except (OSError, ValueError, IndexError):
         pass
     return info
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent dies (kept across exec: usable as a preexec_fn).
+
+    If the parent already died before that took effect, exit at once.
+    """
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:
+        os._exit(1)

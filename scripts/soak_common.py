@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import os
 from typing import Any
 
 import numpy as np
+
+from bench_common import die_with_parent, pid_alive  # noqa: F401 - shared with the benchmark; the soak imports them from here
 
 LEAF = "full"
 NAMESPACE = "soak/blocks"
@@ -137,24 +138,3 @@ def segment_mappings(pid: int) -> dict[int, tuple[str, int]]:
     except (OSError, ValueError, IndexError):
         return {}
     return out
-
-
-def pid_alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent dies, so a killed soak leaves no worker behind."""
-    import signal
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() == 1:  # the parent died before prctl took effect
-        os._exit(1)
