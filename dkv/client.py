@@ -615,6 +615,25 @@ class NodeClient:
             _merge_masks(masks, _unpack_masks(reply["masks"], len(run)))
         return masks
 
+    async def tiers(self, hashes: Sequence[bytes], leaves: Sequence[str], shards: int = 1) -> dict[str, list[str | None]]:
+        """Per leaf, where each block lies: ``"host"``, ``"disk"`` (off the host pool) or ``None`` (absent).
+
+        Read-only (no lease, no stamp), split like :meth:`probe`. A node too old
+        to say answers without them: :class:`~dkv.errors.ProtocolError`.
+        """
+        requests = await self._presence_requests("probe", hashes, leaves, shards, tiers=True)
+        names = {1: "host", 2: "disk"}
+        out: dict[str, list[str | None]] = {}
+        for (run, _), reply in zip(requests, await self._presence(requests)):
+            raw = reply.get("tiers")
+            if not isinstance(raw, dict):
+                raise ProtocolError("probe with tiers: the reply has no tiers map")
+            for leaf, packed in raw.items():
+                if not isinstance(packed, bytes) or len(packed) != len(run):
+                    raise ProtocolError(f"tiers for leaf {leaf!r} have the wrong length")
+                out.setdefault(leaf, []).extend(names.get(b) for b in packed)
+        return out
+
     async def touch(self, hashes: Sequence[bytes], leaves: Sequence[str], shards: int = 1) -> int:
         """Refresh recency of the held blocks among ``hashes`` (pass the whole chain from its root).
 

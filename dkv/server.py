@@ -672,15 +672,24 @@ class NodeServer:
         return [range(start, min(start + per, count)) for start in range(0, count, per)] or [range(0)]
 
     async def _op_probe(self, peer: _Peer, req: dict[str, Any]) -> None:
-        """Presence masks, a chunk at a time with other connections served in between (not atomic)."""
+        """Presence masks, a chunk at a time with other connections served in between (not atomic).
+
+        With ``tiers`` the reply also says, per leaf, where each block lies
+        (one byte a hash, :meth:`dkv.store.Store.tiers`); nothing is pinned or stamped.
+        """
         hashes, leaves, shards = req["hashes"], req["leaves"], req["shards"]
         masks: dict[str, list[bool]] = {leaf: [] for leaf in leaves}
+        tiers: dict[str, bytes] = {leaf: b"" for leaf in leaves}
         for i, run in enumerate(self._chunks(req)):
             if i:
                 await asyncio.sleep(0)
-            for leaf, mask in self.store.presence(peer.namespace, hashes[run.start:run.stop], leaves, shards).items():
+            part = hashes[run.start:run.stop]
+            for leaf, mask in self.store.presence(peer.namespace, part, leaves, shards).items():
                 masks[leaf] += mask
-        await self._reply(peer, masks=_pack_masks(masks))
+            if req.get("tiers"):
+                for leaf, row in self.store.tiers(peer.namespace, part, leaves, shards).items():
+                    tiers[leaf] += row
+        await self._reply(peer, masks=_pack_masks(masks), **({"tiers": tiers} if req.get("tiers") else {}))
 
     async def _op_touch(self, peer: _Peer, req: dict[str, Any]) -> None:
         """Stamp the held blocks a chunk at a time, deepest chunk first (so the root's is the newest use).

@@ -103,6 +103,9 @@ class StoreKey(NamedTuple):
     hash: bytes
 
 
+TIER_ABSENT, TIER_HOST, TIER_DISK = 0, 1, 2  # where a block lies (:meth:`Store.tiers`)
+
+
 @dataclass(slots=True)
 class Block:
     key: StoreKey
@@ -419,6 +422,31 @@ class Store:
             leaf: [all((namespace, leaf, s, h) in blocks for s in range(shards)) for h in hashes]
             for leaf in leaves
         }
+
+    def tiers(self, namespace: str, hashes: Sequence[bytes], leaves: Sequence[str], shards: int) -> dict[str, bytes]:
+        """Per leaf, one byte per hash: where the block lies (read-only, nothing pinned or stamped).
+
+        :data:`TIER_ABSENT` when a shard is missing (as :meth:`presence` says
+        False), :data:`TIER_HOST` when every shard is in the host pool,
+        :data:`TIER_DISK` when every shard is held but one at least is off
+        the host pool (staged for a spill or on disk: a lookup reads it back first).
+        """
+        blocks = self.blocks
+        out: dict[str, bytes] = {}
+        for leaf in leaves:
+            row = bytearray(len(hashes))
+            for i, h in enumerate(hashes):
+                tier = TIER_HOST
+                for s in range(shards):
+                    block = blocks.get(StoreKey(namespace, leaf, s, h))
+                    if block is None:
+                        tier = TIER_ABSENT
+                        break
+                    if not block.on_host:
+                        tier = TIER_DISK
+                row[i] = tier
+            out[leaf] = bytes(row)
+        return out
 
     def lookup(
         self,

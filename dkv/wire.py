@@ -284,7 +284,7 @@ SCHEMAS: dict[str, dict[str, Callable[[object], bool]]] = {
               "host": _short_str, "cnonce": lambda v: isinstance(v, bytes) and len(v) == NONCE_SIZE,
               "tenant": lambda v: v is None or (isinstance(v, str) and 0 < len(v) <= 64)},
     "lookup": {**_PRESENCE, "lease": _is_bool, "group": _int(0, 1 << 20), "slots": optional(_is_bool)},
-    "probe": _PRESENCE,
+    "probe": {**_PRESENCE, "tiers": optional(_is_bool)},  # tiers: also say host or disk per block
     "touch": _PRESENCE,
     "read": {"lease": _is_id, "keys": _keys, "end": _is_bool, "shm": _is_bool},
     "write": {"keys": _keys, "sizes": _sizes, "shm": _is_bool, "sums": optional(_sums)},

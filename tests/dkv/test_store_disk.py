@@ -202,6 +202,24 @@ def test_disk_tier_spills_evicted_blocks_and_reads_them_back(arena: Arena, disk:
     assert_no_leaks(store)
 
 
+def test_tiers_say_host_or_disk_per_block_without_pinning_or_stamping(arena: Arena, disk: DiskTier) -> None:
+    from dkv.store import TIER_ABSENT, TIER_DISK, TIER_HOST
+
+    store, _ = make_store(arena, disk)
+    first, second = keys(chain(4, b"a")), keys(chain(8, b"b"))
+    put(store, first)
+    put(store, second)  # pushes the first four off the host pool (staged)
+    stamps = {k: b.stamp for k, b in store.blocks.items()}
+    hashes = [first[0].hash, second[0].hash, b"\xff" * 8]
+    assert store.tiers(NS, hashes, ["L", "other"], 1) == {
+        "L": bytes([TIER_DISK, TIER_HOST, TIER_ABSENT]), "other": bytes([TIER_ABSENT] * 3)}
+    spill_all(store)
+    assert store.tiers(NS, hashes[:1], ["L"], 1) == {"L": bytes([TIER_DISK])}
+    assert store.tiers(NS, hashes[1:2], ["L"], 2) == {"L": bytes([TIER_ABSENT])}  # shard 1 missing
+    assert pins(store) == 0 and {k: b.stamp for k, b in store.blocks.items()} == stamps
+    assert_no_leaks(store)
+
+
 def test_disk_tier_drops_its_oldest_when_full_and_unpublishes(arena: Arena, tmp_path) -> None:
     disk = DiskTier(str(tmp_path), 2 * BLOCK)
     store, unpublished = make_store(arena, disk)
