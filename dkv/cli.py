@@ -469,6 +469,11 @@ async def _async_value(value: Any) -> Any:
     return value
 
 
+from dkv import cli_explain as _cli_explain  # noqa: E402 - `dkv explain`; it imports this module when registering
+
+_cli_explain.register(app)
+
+
 def _plug_in_commands() -> None:
     """Add commands other packages register under the ``dkv.commands`` entry-point group.
 
