@@ -86,21 +86,26 @@ async def gather_directory(router: Any, client: Any, namespace: str, hashes: Seq
             ttl[node_id] = None
     elsewhere: dict[int, list[str]] = {}
     namespaces = None
+    in_namespace: dict[int, int] | None = None
     if not any(entries) and hashes:  # nothing here: is it published under another namespace?
         wanted = {h.hex(): i for i, h in enumerate(hashes)}
         kvs, _ = await get_prefix(client, layout.blocks, keys_only=True, timeout=timeout)
         seen: set[str] = set()
+        here: dict[int, int] = {}
         for kv in kvs:
             parsed = layout.parse_block_key(kv.key.decode())
             if parsed is None:
                 continue
             seen.add(parsed[0])
+            if parsed[0] == namespace:
+                here[len(parsed[1])] = here.get(len(parsed[1]), 0) + 1
             i = wanted.get(parsed[1].hex())
             if i is not None and parsed[0] != namespace and parsed[0] not in elsewhere.setdefault(i, []):
                 elsewhere[i].append(parsed[0])
         elsewhere = {i: v for i, v in elsewhere.items() if v}
         namespaces = sorted(seen)[:MAX_NAMESPACES_SHOWN]
-    return Directory(members, entries, ttl, elsewhere, namespaces)
+        in_namespace = here
+    return Directory(members, entries, ttl, elsewhere, namespaces, in_namespace)
 
 
 async def ask_nodes(directory: Directory, extra: Sequence[str], namespace: str, hashes: Sequence[bytes],

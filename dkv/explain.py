@@ -65,7 +65,8 @@ class Directory:
     members' or not; ``lease_ttl`` the seconds left of each member's etcd lease
     (``None``: unknown); ``elsewhere[i]`` other namespaces where ``hashes[i]``
     is published (looked at only when nothing is published in the namespace);
-    ``namespaces`` some namespaces the directory holds (same condition).
+    ``namespaces`` some namespaces the directory holds and ``in_namespace``
+    how many entries the namespace holds per hash length in bytes (same condition).
     """
 
     members: Mapping[str, MemberRecord]
@@ -73,6 +74,7 @@ class Directory:
     lease_ttl: Mapping[str, int | None] = field(default_factory=dict)
     elsewhere: Mapping[int, Sequence[str]] = field(default_factory=dict)
     namespaces: Sequence[str] | None = None
+    in_namespace: Mapping[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -272,6 +274,16 @@ def explain_request(
         shown = ", ".join(directory.namespaces) or "none"
         notes.append(f"nothing at all of this request is published in {namespace}; namespaces in the "
                      f"directory: {shown}")
+    if directory.in_namespace and not any(published):
+        lengths = {len(h) for h in hashes}
+        held = ", ".join(f"{count} of {size}-byte hashes" for size, count in sorted(directory.in_namespace.items()))
+        if lengths and not lengths & set(directory.in_namespace):
+            notes.append(f"{namespace} holds entries ({held}) but this request's hashes are "
+                         f"{'/'.join(str(n) for n in sorted(lengths))} bytes: the engines use different hash "
+                         f"algorithms")
+        else:
+            notes.append(f"{namespace} holds entries ({held}) but none of this request's: if the same prompt was "
+                         f"offloaded, the engines hash it differently (hash seed or algorithm, page size, tokenizer)")
     if hint is None and not hashes:
         notes.append("no hashes given")
     if hint_verdict is not None and route[0] and route[0] != source:

@@ -32,7 +32,7 @@ from dkv.explain import (
     explain_request,
 )
 from dkv.hints import build_hint
-from tests.conftest import etcd_lease
+from tests.conftest import etcd_lease, wait_for_stats
 from tests.dkv.test_cluster_cli import NS, _router, _until, _write
 
 CLI_TIMEOUT = 60
@@ -96,6 +96,10 @@ def test_gone_unreachable_and_foreign_namespace_reasons() -> None:
                               (None, 0))
     assert foreign.reason_code == NAMESPACE_DIFFERS and "other/ns" in foreign.reason
     assert any("namespaces in the directory: other/ns" in n for n in foreign.notes)
+    other_hashes = explain_request(NS, hashes, Directory({}, [[]], namespaces=[NS], in_namespace={32: 5}), (None, 0))
+    assert any("different hash algorithms" in n for n in other_hashes.notes)
+    other_seed = explain_request(NS, hashes, Directory({}, [[]], namespaces=[NS], in_namespace={8: 5}), (None, 0))
+    assert any("hash seed or algorithm" in n for n in other_seed.notes)
     restarted = explain_request(NS, hashes, Directory({"a": _member("a", "e2")}, [[Entry("a", "e1")]]), ("a", 1))
     assert restarted.blocks[0].holders[0].stale_epoch == "e1" and any("earlier epoch" in n for n in restarted.notes)
 
@@ -187,6 +191,9 @@ async def test_explain_serves_held_blocks_with_holder_and_tier_and_names_what_is
     # the same hashes asked about in another namespace: published there, not here
     out = await _explain_json("--namespace", "team/wrong", *etcd.cli_args(), hashes[0].hex())
     assert out["blocks"][0]["reason_code"] == NAMESPACE_DIFFERS and NS in out["blocks"][0]["reason"]
+    # hashes nobody offloaded, in a namespace that holds others: the hashes themselves differ
+    out = await _explain_json("--namespace", NS, *etcd.cli_args(), os.urandom(32).hex())
+    assert out["reason_code"] == NOT_PUBLISHED and any("hash seed or algorithm" in n for n in out["notes"])
 
 
 async def test_explain_says_evicted_when_the_node_lacks_a_published_block_and_gone_when_its_publisher_is(
@@ -249,3 +256,35 @@ def test_explain_compares_two_engines_settings(tmp_path: Path) -> None:
     b.write_text("{nope")
     bad = _explain("--engine-a", str(a), "--engine-b", str(b))
     assert bad.returncode == 2 and "not JSON" in bad.stderr and "Traceback" not in bad.stderr
+
+
+async def test_explain_says_disk_for_blocks_the_node_spilled(etcd, node_factory, clients, tmp_path: Path) -> None:
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    node = node_factory(*etcd.node_args("exp-disk"), "--disk", str(spill), "--disk-size", "1MiB", pool="64KiB")
+    writer = clients(node.address)
+    first = [os.urandom(32) for _ in range(8)]
+    await _write(writer, first)
+    for _ in range(2):  # 16 more blocks of 4 KiB through a 64 KiB pool: the first run leaves the host pool
+        await _write(writer, [os.urandom(32) for _ in range(8)])
+    stats = await wait_for_stats(node.address, lambda s: s["staging"]["blocks"] == 0 and s["blocks_on_disk"] >= 8)
+    assert stats["blocks_on_disk"] >= 8, stats
+    out = await _explain_json("--namespace", NS, *etcd.cli_args(), "--leaf", "L", *(h.hex() for h in first))
+    assert out["served"] == 8 and out["source"] == "exp-disk", out["verdict"]
+    assert out["tiers"].get("disk", 0) >= 1 and {b["tier"] for b in out["blocks"]} <= {"host", "disk"}
+
+
+def test_hint_text_comes_inline_from_a_file_or_from_stdin(tmp_path: Path, monkeypatch) -> None:
+    import io
+
+    import pytest
+
+    from dkv.cli_explain import read_text_arg
+    from dkv.errors import ConfigError
+
+    (tmp_path / "hint.json").write_text('{"a": 1}')
+    assert read_text_arg('{"a": 1}', "--hint") == read_text_arg(f"@{tmp_path / 'hint.json'}", "--hint") == '{"a": 1}'
+    monkeypatch.setattr("sys.stdin", io.StringIO("from stdin"))
+    assert read_text_arg("-", "--hint") == "from stdin"
+    with pytest.raises(ConfigError, match="cannot read"):
+        read_text_arg(f"@{tmp_path / 'missing'}", "--hint")
