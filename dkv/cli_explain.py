@@ -33,6 +33,7 @@ from dkv.explain import (
 )
 
 MAX_NAMESPACES_SHOWN = 20
+CONCURRENT_READS = 32  # etcd range reads in flight at once (one per hash of the request)
 
 
 def read_text_arg(value: str, what: str) -> str:
@@ -67,15 +68,19 @@ async def gather_directory(router: Any, client: Any, namespace: str, hashes: Seq
 
     layout = router.layout
     members = dict(router.members)
-    entries: list[list[Entry]] = []
-    for h in hashes:
+
+    async def entries_of(h: bytes) -> list[Entry]:
         kvs, _ = await get_prefix(client, layout.block_prefix(namespace, h), timeout=timeout)
         row = []
         for kv in kvs:
             parsed = layout.parse_block_key(kv.key.decode())
             if parsed is not None and parsed[0] == namespace:
                 row.append(Entry(parsed[2], kv.value.decode(errors="replace")))
-        entries.append(row)
+        return row
+
+    entries: list[list[Entry]] = []
+    for start in range(0, len(hashes), CONCURRENT_READS):
+        entries += await asyncio.gather(*(entries_of(h) for h in hashes[start:start + CONCURRENT_READS]))
     holders = {e.node_id for row in entries for e in row if e.node_id in members}
     ttl: dict[str, int | None] = {}
     for node_id in sorted(holders):
@@ -217,7 +222,7 @@ def register(app: typer.Typer) -> None:
         if not etcd:
             fail("give --etcd URL (or DKV_ETCD), or --engine-a/--engine-b to compare two engines' settings")
         if not namespace:
-            fail("give --namespace, the engine's namespace (its connector logs it; DKV_NAMESPACE sets it)")
+            fail("give --namespace, the engine's namespace (its DKVConnector's .namespace; DKV_NAMESPACE sets it)")
         try:
             from dkv.keys import check_namespace
 
@@ -235,6 +240,10 @@ def register(app: typer.Typer) -> None:
                     deepest = None
                 wanted = [deepest] if deepest else []
             token = read_token(token_file)
+            from dkv.keys import check_leaf
+
+            for name in leaf or []:
+                check_leaf(name)
             if shards < 1 or shards > 64:
                 raise ConfigError(f"--shards must be in 1..64, got {shards}")
             result = asyncio.run(_explain(etcd_settings(etcd), cluster, etcd_prefix, namespace, wanted, raw_hint,

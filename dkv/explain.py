@@ -337,9 +337,9 @@ def _why_not(i: int, source: str | None, depth: int, hint: HintVerdict | None, h
     if source is not None:
         ans = answers.get(source)
         if ans is not None and ans.error is not None:
-            return HOLDER_UNREACHABLE, (f"{source} did not answer ({ans.error}); a holder that died stays "
-                                        f"in the directory until its etcd lease runs out"
-                                        + _ttl(directory.lease_ttl.get(source)))
+            return HOLDER_UNREACHABLE, (f"{source} did not answer ({ans.error}): down, or refusing this "
+                                        f"credential (--token-file); a holder that died stays in the directory "
+                                        f"until its etcd lease runs out" + _ttl(directory.lease_ttl.get(source)))
         if ans is not None and ans.tiers is not None:
             if tier in (HOST, DISK):
                 return None, None
