@@ -217,7 +217,9 @@ def register(app: typer.Typer) -> None:
             console = _console()
             for d in result["differences"]:
                 console.print(f"[bold]{d['field']}[/]: {d['a']!r} vs {d['b']!r}: {d['meaning']}")
-            console.print(f"[bold]{result['verdict']}[/]")
+            console.print(f"[bold]{len(result['differences'])} difference(s): each one alone can keep the engines "
+                          f"from sharing blocks[/]" if result["differences"] else
+                          f"[bold]{result['verdict']}[/]", highlight=False)
             return
         if not etcd:
             fail("give --etcd URL (or DKV_ETCD), or --engine-a/--engine-b to compare two engines' settings")

@@ -421,7 +421,8 @@ def normalise_settings(raw: Mapping[str, Any]) -> dict[str, Any]:
         else:
             flat[ALIASES.get(key, key)] = value
     for key, value in DEFAULTS.items():
-        flat.setdefault(key, value)
+        if key != "tenant" or not flat.get("namespace"):  # an explicit namespace is used as it is
+            flat.setdefault(key, value)
     if not flat.get("namespace") and all(k in flat for k in (*LAYOUT_FIELDS, "hash_algorithm")):
         from dkv.keys import derive_namespace
 
@@ -438,7 +439,16 @@ def compare_engines(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any
     Returns ``{"a": ..., "b": ... (normalised), "differences": [{"field", "a", "b", "meaning"}],
     "share": bool, "verdict": str}``. ``share`` is False when any difference keeps
     the engines from sharing blocks. A field only one side gives is compared with
-    the default (``tenant`` max, ``cluster`` default, ``etcd_prefix`` /dkv, ``hash_seed`` 0).
+    the default (``cluster`` default, ``etcd_prefix`` /dkv, ``hash_seed`` 0, and ``tenant`` max
+    where no explicit ``namespace`` is given, as the MAX adapter does).
+
+    Settings are a JSON object of any of: ``namespace`` (or ``DKV_NAMESPACE``), ``tenant``
+    (``DKV_TENANT``), ``hash_algorithm`` (MAX's ``kv_hash_algo``), ``hash_seed``
+    (``kv_hash_seed``), ``cluster`` (``DKV_CLUSTER``), ``etcd_prefix`` (``DKV_ETCD_PREFIX``),
+    ``etcd`` (``DKV_ETCD``), ``leaves`` (leaf id -> TP shards), layout fields (``model``,
+    ``dtype``, ``page_size``, ``num_layers``, ``num_kv_heads``, ``head_dim``, or any other),
+    flat or under ``layout``. Without a namespace, one is derived from the layout with
+    :func:`dkv.keys.derive_namespace` when every field it needs is given.
     """
     na, nb = normalise_settings(a), normalise_settings(b)
     diffs = []
@@ -461,8 +471,9 @@ def compare_engines(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any
         verdict = "the engines' connector settings match: they share blocks"
     else:
         first = diffs[0]
-        verdict = (f"the engines differ in {', '.join(d['field'] for d in diffs)}: {first['field']} "
-                   f"{first['a']!r} vs {first['b']!r}: {first['meaning']}")
+        more = f"{', '.join(d['field'] for d in diffs)}; first, " if len(diffs) > 1 else ""
+        verdict = (f"the engines differ in {more}{first['field']} ({first['a']!r} vs {first['b']!r}): "
+                   f"{first['meaning']}")
     return {"a": na, "b": nb, "differences": diffs, "share": share, "verdict": verdict}
 
 
