@@ -1,0 +1,425 @@
+"""The Kubernetes manifests (cluster/k8s/) are valid and run the launcher's topology.
+
+Every core manifest validates against the Kubernetes OpenAPI schemas that
+kubernetes-validate ships, in strict mode (an unknown field fails). The
+ServiceMonitors are a CRD (monitoring.coreos.com/v1) whose schema the validator
+does not have: they are checked structurally here instead. The node DaemonSet,
+the router Deployment and the etcd StatefulSet are checked against
+:func:`cluster.local.topology`, as tests/cluster/test_compose.py checks
+docker-compose: same commands and options, ports and environment, with the
+addresses Kubernetes gives (the pod's address, the machine's name). Where
+``kubectl`` is installed, ``kubectl kustomize`` also builds the base with and
+without the optional components, and what it builds validates too.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from cluster.local import METRICS_PORT, NODE_PORT_BASE, ROUTER_PORT, topology
+from dkv.units import parse_address, parse_size
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "cluster" / "k8s"
+# the oldest Kubernetes the manifests claim, and a recent one (kubernetes-validate 1.37 ships 1.25 to 1.37)
+K8S_VERSIONS = ("1.27.0", "1.33.0")
+CRD_KINDS = {"ServiceMonitor"}
+SECRET_EXAMPLE = "secret.example.yaml"
+COMPONENTS = ("rdma", "monitoring")
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _load(path: Path) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def _manifest_files() -> list[Path]:
+    """Every manifest under cluster/k8s (kustomization files and kustomize patches are not manifests)."""
+    patches = {K8S / c / p["path"] for c in COMPONENTS
+               for p in _load(K8S / c / "kustomization.yaml")[0].get("patches", [])}
+    return sorted(p for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml" and p not in patches)
+
+
+def _documents() -> list[tuple[str, dict[str, Any]]]:
+    return [(f"{path.relative_to(K8S)}#{i}", doc) for path in _manifest_files() for i, doc in enumerate(_load(path))]
+
+
+def _base() -> list[dict[str, Any]]:
+    """What `kubectl apply -k cluster/k8s` applies (the base's resources, without components)."""
+    kustomization = _load(K8S / "kustomization.yaml")[0]
+    return [doc for name in kustomization["resources"] for doc in _load(K8S / name)]
+
+
+def _one(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind} {name}, found {len(found)}"
+    return found[0]
+
+
+def _container(workload: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(c for c in workload["spec"]["template"]["spec"]["containers"] if c["name"] == name)
+
+
+def _config(docs: list[dict[str, Any]]) -> dict[str, str]:
+    return _one(docs, "ConfigMap", "dkv-config")["data"]
+
+
+def _resolve(container: dict[str, Any], config: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """The container's command with ``$(VAR)`` expanded as the kubelet does, and its environment.
+
+    Values from the ConfigMap are substituted; a field of the pod reads ``<fieldPath>``, a
+    Secret's key ``<secret:name/key>``.
+    """
+    env: dict[str, str] = {}
+    for var in container.get("env", []):
+        if "value" in var:
+            env[var["name"]] = var["value"]
+            continue
+        source = var["valueFrom"]
+        if "configMapKeyRef" in source:
+            ref = source["configMapKeyRef"]
+            assert ref["name"] == "dkv-config", var
+            assert ref["key"] in config, f"{var['name']}: the ConfigMap has no key {ref['key']}"
+            env[var["name"]] = config[ref["key"]]
+        elif "secretKeyRef" in source:
+            env[var["name"]] = f"<secret:{source['secretKeyRef']['name']}/{source['secretKeyRef']['key']}>"
+        else:
+            env[var["name"]] = f"<{source['fieldRef']['fieldPath']}>"
+
+    def expand(arg: str) -> str:
+        def one(match: re.Match[str]) -> str:
+            assert match.group(1) in env, f"{arg}: $({match.group(1)}) is not in the container's environment"
+            return env[match.group(1)]
+
+        return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", one, arg)
+
+    return [expand(a) for a in [*container.get("command", []), *container.get("args", [])]], env
+
+
+def _options(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """``prog sub ... --flag value ...`` → (the words before the first option, {flag: value})."""
+    first = next(i for i, a in enumerate(argv) if a.startswith("--"))
+    pairs = argv[first:]
+    assert len(pairs) % 2 == 0 and all(f.startswith("--") for f in pairs[::2]), argv
+    flags = pairs[::2]
+    assert len(set(flags)) == len(flags), f"an option given twice: {argv}"
+    return argv[:first], dict(zip(flags, pairs[1::2]))
+
+
+_QUANTITY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "": 1}
+
+
+def _bytes(quantity: str) -> int:
+    """A Kubernetes memory quantity (``5Gi``, ``512Mi``, ``1G``) in bytes."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT]i|[kMGT]|)", str(quantity))
+    assert match, f"cannot read quantity {quantity!r}"
+    return int(float(match.group(1)) * _QUANTITY[match.group(2)])
+
+
+def _probe(container: dict[str, Any], kind: str) -> tuple[str, int]:
+    get = container[kind]["httpGet"]
+    port = get["port"]
+    if isinstance(port, str):  # a named port
+        port = next(p["containerPort"] for p in container["ports"] if p.get("name") == port)
+    return get["path"], port
+
+
+def _merge(base: Any, patch: Any) -> Any:
+    """A strategic merge as kustomize applies it to these manifests: maps merge, lists of named
+    items merge by name, any other list or value is replaced."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        merged = dict(base)
+        for key, value in patch.items():
+            merged[key] = _merge(base[key], value) if key in base else copy.deepcopy(value)
+        return merged
+    if (isinstance(base, list) and isinstance(patch, list) and patch
+            and all(isinstance(i, dict) and "name" in i for i in [*base, *patch])):
+        merged_list = [copy.deepcopy(i) for i in base]
+        for item in patch:
+            at = next((k for k, b in enumerate(merged_list) if b["name"] == item["name"]), None)
+            if at is None:
+                merged_list.append(copy.deepcopy(item))
+            else:
+                merged_list[at] = _merge(merged_list[at], item)
+        return merged_list
+    return copy.deepcopy(patch)
+
+
+def _validate(doc: dict[str, Any], version: str) -> None:
+    kubernetes_validate.validate(doc, version, strict=True)
+
+
+# ---------------------------------------------------------------- schemas
+
+
+DOCUMENTS = _documents()
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize(("where", "doc"), [d for d in DOCUMENTS if d[1]["kind"] not in CRD_KINDS],
+                         ids=[d[0] for d in DOCUMENTS if d[1]["kind"] not in CRD_KINDS])
+def test_every_manifest_validates_against_the_kubernetes_schemas_strictly(where: str, doc: dict[str, Any],
+                                                                          version: str) -> None:
+    _validate(doc, version)
+
+
+def test_the_validator_rejects_an_unknown_field_a_wrong_type_and_a_missing_field() -> None:
+    """The check above can fail: what it accepts is what the API server accepts."""
+    node = _one(_base(), "DaemonSet", "dkv-node")
+    _validate(node, K8S_VERSIONS[0])
+    broken = []
+    unknown = copy.deepcopy(node)
+    _container(unknown, "node")["shmSize"] = "5Gi"  # docker-compose's word, not Kubernetes'
+    broken.append(unknown)
+    wrong_type = copy.deepcopy(node)
+    _container(wrong_type, "node")["ports"][0]["containerPort"] = "7420"
+    broken.append(wrong_type)
+    missing = copy.deepcopy(node)
+    del missing["spec"]["selector"]
+    broken.append(missing)
+    for doc in broken:
+        with pytest.raises(kubernetes_validate.ValidationError):
+            _validate(doc, K8S_VERSIONS[0])
+
+
+def test_the_kustomization_applies_every_manifest_and_names_its_optional_components() -> None:
+    kustomization = _load(K8S / "kustomization.yaml")[0]
+    assert kustomization["kind"] == "Kustomization" and kustomization["namespace"] == "dkv"
+    base_files = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml", SECRET_EXAMPLE}
+    assert set(kustomization["resources"]) == base_files
+    text = (K8S / "kustomization.yaml").read_text()
+    for name in COMPONENTS:
+        component = _load(K8S / name / "kustomization.yaml")[0]
+        assert component["apiVersion"] == "kustomize.config.k8s.io/v1alpha1" and component["kind"] == "Component"
+        for resource in component.get("resources", []):
+            assert (K8S / name / resource).is_file(), f"{name}: {resource} is missing"
+        assert f"# - {name}" in text, f"the kustomization should say how to enable {name}"
+    for path, doc in DOCUMENTS:
+        assert doc["metadata"].get("namespace", "dkv") == "dkv", path
+        if doc["kind"] != "Namespace":
+            assert doc["metadata"].get("labels", {}).get("app.kubernetes.io/part-of") == "dkv", path
+
+
+def test_service_monitors_select_a_service_and_its_metrics_port() -> None:
+    """ServiceMonitor is a CRD: the schema validator cannot check it, so its shape is checked here."""
+    monitors = [doc for _, doc in DOCUMENTS if doc["kind"] == "ServiceMonitor"]
+    services = [doc for _, doc in DOCUMENTS if doc["kind"] == "Service"]
+    assert {m["metadata"]["name"] for m in monitors} == {"dkv-node", "dkv-router"}
+    for monitor in monitors:
+        assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+        assert set(monitor) == {"apiVersion", "kind", "metadata", "spec"}
+        assert set(monitor["spec"]) <= {"selector", "endpoints", "namespaceSelector", "jobLabel"}
+        wanted = monitor["spec"]["selector"]["matchLabels"]
+        matched = [s for s in services if wanted.items() <= s["metadata"].get("labels", {}).items()]
+        assert len(matched) == 1, f"{monitor['metadata']['name']} should select exactly one Service"
+        ports = {p["name"]: p["targetPort"] for p in matched[0]["spec"]["ports"]}
+        for endpoint in monitor["spec"]["endpoints"]:
+            assert set(endpoint) <= {"port", "path", "interval", "scrapeTimeout", "scheme"}
+            assert endpoint["path"] == "/metrics" and endpoint["port"] in ports
+            assert ports[endpoint["port"]] in (METRICS_PORT, ROUTER_PORT)
+        # the Service selects the pods that serve those ports
+        pods = [d for d in _base() if d["kind"] in ("DaemonSet", "Deployment")
+                and matched[0]["spec"]["selector"].items() <= d["spec"]["template"]["metadata"]["labels"].items()]
+        assert len(pods) == 1
+
+
+# ---------------------------------------------------------------- agreement with topology()
+
+
+def test_the_node_daemonset_runs_the_topology_node_command_ports_and_environment() -> None:
+    docs = _base()
+    config = _config(docs)
+    node = _one(docs, "DaemonSet", "dkv-node")
+    pod = node["spec"]["template"]["spec"]
+    assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    container = _container(node, "node")
+    command, env = _resolve(container, config)
+    spec = topology(1, pool=config["DKV_POOL"], cluster=config["DKV_CLUSTER"])["node-0"]
+    words, options = _options(command)
+    topo_words, topo_options = _options(spec["command"])
+    assert words == topo_words == ["dkv", "serve"]
+    assert set(options) == set(topo_options)
+    for flag in ("--listen", "--metrics-listen"):
+        host, port = parse_address(options[flag])
+        assert host == "<status.podIP>", f"{flag} should be the pod's (with hostNetwork, the machine's) address"
+        assert port == parse_address(topo_options[flag])[1]
+    assert options["--node-id"] == "<spec.nodeName>", "one node per machine: the machine's name is its id"
+    for flag in set(topo_options) - {"--listen", "--metrics-listen", "--node-id"}:
+        assert options[flag] == topo_options[flag], flag
+    ports = container["ports"]
+    assert [p["containerPort"] for p in ports] == spec["ports"] == [NODE_PORT_BASE, METRICS_PORT]
+    assert all(p["hostPort"] == p["containerPort"] for p in ports), "hostNetwork: host and container ports agree"
+    assert set(spec["environment"]) <= set(env)
+    assert env["UCX_TLS"] == spec["environment"]["UCX_TLS"]
+    assert env["DKV_TOKEN"] == "<secret:dkv-token/token>"
+
+
+def test_the_router_deployment_and_service_run_the_topology_router() -> None:
+    docs = _base()
+    config = _config(docs)
+    router = _one(docs, "Deployment", "dkv-router")
+    assert router["spec"]["replicas"] == 2
+    container = _container(router, "router")
+    command, env = _resolve(container, config)
+    spec = topology(1, cluster=config["DKV_CLUSTER"])["router"]
+    words, options = _options(command)
+    topo_words, topo_options = _options(spec["command"])
+    assert words == topo_words == ["dkv", "router", "serve"]
+    assert set(options) == set(topo_options)
+    host, port = parse_address(options["--listen"])
+    topo_host, topo_port = parse_address(topo_options["--listen"])
+    assert host == "0.0.0.0" and port == topo_port == ROUTER_PORT
+    for flag in set(topo_options) - {"--listen"}:
+        assert options[flag] == topo_options[flag], flag
+    assert [p["containerPort"] for p in container["ports"]] == spec["ports"]
+    assert set(spec["environment"]) <= set(env) and env["DKV_TOKEN"] == "<secret:dkv-token/token>"
+    # the topology's router address is the Service's name and port
+    service = _one(docs, "Service", topo_host)
+    assert service["spec"]["selector"].items() <= router["spec"]["template"]["metadata"]["labels"].items()
+    assert [(p["port"], p["targetPort"]) for p in service["spec"]["ports"]] == [(topo_port, ROUTER_PORT)]
+
+
+def test_the_etcd_statefulset_serves_the_endpoint_the_nodes_and_router_use() -> None:
+    docs = _base()
+    config = _config(docs)
+    etcd = _one(docs, "StatefulSet", "etcd")
+    assert etcd["spec"]["replicas"] == 3 and etcd["spec"]["serviceName"] == "etcd-peer"
+    spec = topology(1)["etcd"]
+    container = _container(etcd, "etcd")
+    command, _ = _resolve(container, config)
+    words, options = _options(command)
+    topo_words, topo_options = _options(spec["command"])
+    assert words == topo_words == ["etcd"]
+    assert options["--listen-client-urls"] == topo_options["--listen-client-urls"]
+    members = options["--initial-cluster"].split(",")
+    assert [m.split("=")[0] for m in members] == [f"etcd-{i}" for i in range(3)]
+    assert all(m.endswith(".etcd-peer:2380") for m in members), "members are named by the headless Service"
+    assert set(spec["ports"]) <= {p["containerPort"] for p in container["ports"]}
+    # http://etcd:2379, the endpoint every dKV process is given, is the client Service
+    endpoint = topology(1)["node-0"]["command"]
+    endpoint = endpoint[endpoint.index("--etcd") + 1]
+    assert config["DKV_ETCD"] == endpoint
+    host, port = parse_address(endpoint.removeprefix("http://"))
+    service = _one(docs, "Service", host)
+    assert service["spec"]["selector"].items() <= etcd["spec"]["template"]["metadata"]["labels"].items()
+    assert [(p["port"], p["targetPort"]) for p in service["spec"]["ports"]] == [(port, 2379)]
+    peer = _one(docs, "Service", "etcd-peer")
+    assert peer["spec"]["clusterIP"] == "None" and peer["spec"]["publishNotReadyAddresses"] is True
+
+
+def test_the_nodes_memory_and_dev_shm_fit_the_pool() -> None:
+    docs = _base()
+    pool = parse_size(_config(docs)["DKV_POOL"])
+    node = _one(docs, "DaemonSet", "dkv-node")
+    pod = node["spec"]["template"]["spec"]
+    container = _container(node, "node")
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm")
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert volume["emptyDir"]["medium"] == "Memory"
+    assert _bytes(volume["emptyDir"]["sizeLimit"]) > pool
+    # the pool is counted against the container's memory: pool + the freed memory it may keep
+    # mapped (1/8, at most 1GiB: dkv.arena) + the process
+    from dkv.arena import MAX_TRIM_SLACK, TRIM_SLACK
+
+    needed = pool + min(int(pool * TRIM_SLACK), MAX_TRIM_SLACK) + 512 * 2**20
+    resources = container["resources"]
+    assert _bytes(resources["limits"]["memory"]) >= needed
+    assert _bytes(resources["requests"]["memory"]) >= needed, "request what the pool needs: no overcommit"
+
+
+def test_probes_and_scrape_annotations_point_at_the_health_and_metrics_endpoints() -> None:
+    docs = _base()
+    for kind, name, container_name, port in (("DaemonSet", "dkv-node", "node", METRICS_PORT),
+                                             ("Deployment", "dkv-router", "router", ROUTER_PORT)):
+        workload = _one(docs, kind, name)
+        container = _container(workload, container_name)
+        assert _probe(container, "readinessProbe") == ("/readyz", port), name
+        assert _probe(container, "livenessProbe") == ("/healthz", port), name
+        annotations = workload["spec"]["template"]["metadata"]["annotations"]
+        assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
+                               "prometheus.io/path": "/metrics"}, name
+    etcd = _container(_one(docs, "StatefulSet", "etcd"), "etcd")
+    assert _probe(etcd, "readinessProbe") == ("/health", 2379)
+
+
+def test_every_pod_reads_the_token_from_the_key_the_example_secret_defines_and_no_token_is_committed() -> None:
+    example = _load(K8S / SECRET_EXAMPLE)
+    assert len(example) == 1 and example[0]["kind"] == "Secret"
+    secret = example[0]
+    assert secret["stringData"] == {"token": ""}, "commit no token: create the Secret with kubectl"
+    refs = []
+    for _, doc in DOCUMENTS:
+        if doc["kind"] in ("DaemonSet", "Deployment", "StatefulSet"):
+            for container in doc["spec"]["template"]["spec"]["containers"]:
+                for var in container.get("env", []):
+                    if "secretKeyRef" in var.get("valueFrom", {}):
+                        refs.append((doc["metadata"]["name"], var["name"], var["valueFrom"]["secretKeyRef"]))
+    assert {(workload, var) for workload, var, _ in refs} == {("dkv-node", "DKV_TOKEN"), ("dkv-router", "DKV_TOKEN")}
+    for _, _, ref in refs:
+        assert ref == {"name": secret["metadata"]["name"], "key": "token"}
+    for path in K8S.rglob("*.yaml"):
+        assert not re.search(r"\b[0-9a-f]{32,}\b", path.read_text()), f"{path.name} looks like it holds a secret"
+
+
+def test_the_rdma_component_patches_the_node_into_a_valid_rdma_daemonset() -> None:
+    node = _one(_base(), "DaemonSet", "dkv-node")
+    patch = _load(K8S / "rdma" / "node-rdma.yaml")[0]
+    patched = _merge(node, patch)
+    for version in K8S_VERSIONS:
+        _validate(patched, version)
+    container = _container(patched, "node")
+    env = {v["name"]: v.get("value") for v in container["env"]}
+    assert env["UCX_TLS"].split(",")[0] == "rc" and env["UCX_NET_DEVICES"]
+    assert env["RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY"] == "true"
+    assert "IPC_LOCK" in container["securityContext"]["capabilities"]["add"]
+    assert any(k.startswith("rdma/") for k in container["resources"]["limits"])
+    # everything else of the node stays: command, token, probes, memory
+    assert container["command"] == _container(node, "node")["command"]
+    assert env["DKV_TOKEN"] is None and container["resources"]["limits"]["memory"] == "6Gi"
+    assert patched["spec"]["template"]["spec"]["volumes"] == node["spec"]["template"]["spec"]["volumes"]
+
+
+def _kustomize(directory: Path) -> list[dict[str, Any]]:
+    result = subprocess.run(["kubectl", "kustomize", str(directory)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def test_kustomize_builds_the_base_and_every_component_into_valid_manifests(tmp_path: Path) -> None:
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed: the kustomizations were checked structurally above")
+    base = _kustomize(K8S)
+    assert sorted((d["kind"], d["metadata"]["name"]) for d in base) == sorted(
+        (d["kind"], d["metadata"]["name"]) for d in _base())
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    to_k8s = os.path.relpath(K8S, overlay)  # kustomize refuses absolute paths
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [to_k8s], "components": [f"{to_k8s}/{c}" for c in COMPONENTS]}))
+    everything = _kustomize(overlay)
+    assert len(everything) == len(base) + 3  # the node metrics Service and two ServiceMonitors
+    for doc in everything:
+        if doc["kind"] not in CRD_KINDS:
+            _validate(doc, K8S_VERSIONS[-1])
+    node = _container(_one(everything, "DaemonSet", "dkv-node"), "node")
+    assert "IPC_LOCK" in node["securityContext"]["capabilities"]["add"]
+    # the Python merge above agrees with kustomize's (which puts the patch's variables first)
+    built = _one(everything, "DaemonSet", "dkv-node")
+    merged = _merge(_one(base, "DaemonSet", "dkv-node"), _load(K8S / "rdma" / "node-rdma.yaml")[0])
+    for workload in (built, merged):
+        container = _container(workload, "node")
+        container["env"] = sorted(container["env"], key=lambda var: var["name"])
+    assert built["spec"] == merged["spec"]
