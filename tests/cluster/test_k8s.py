@@ -14,11 +14,16 @@ without the optional components, and what it builds validates too.
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import json
 import os
 import re
+import select
 import shutil
 import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -423,3 +428,118 @@ def test_kustomize_builds_the_base_and_every_component_into_valid_manifests(tmp_
         container = _container(workload, "node")
         container["env"] = sorted(container["env"], key=lambda var: var["name"])
     assert built["spec"] == merged["spec"]
+
+
+# ---------------------------------------------------------------- the manifests' commands run
+
+
+def _has_option(*words: str, option: str) -> bool:
+    """Whether this checkout's ``dkv <words>`` has ``option`` (the router service and the nodes'
+    metrics endpoint are built beside these manifests)."""
+    result = subprocess.run([sys.executable, "-m", "dkv.cli", *words, "--help"], capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "COLUMNS": "200"})
+    return result.returncode == 0 and option in result.stdout
+
+
+def _pod_command(kind: str, name: str, container_name: str, fields: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """A workload's command and environment as its pod would run them, with ``fields`` for the
+    pod's downward-API fields and a generated token for the Secret."""
+    docs = _base()
+    command, env = _resolve(_container(_one(docs, kind, name), container_name), _config(docs))
+    token = os.urandom(24).hex()
+    resolved = []
+    for arg in command:
+        for field, value in fields.items():
+            arg = arg.replace(f"<{field}>", value)
+        resolved.append(arg)
+    env = {k: token if v.startswith("<secret:") else v for k, v in env.items() if not v.startswith("<")
+           or v.startswith("<secret:")}
+    return resolved, env
+
+
+async def _peers(etcd: Any, cluster: str) -> dict[str, Any]:
+    result = subprocess.run([sys.executable, "-m", "dkv.cli", "peers", *etcd.cli_args(), "--cluster", cluster,
+                             "--json"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return {m["node_id"]: m for m in json.loads(result.stdout)}
+
+
+async def test_the_node_daemonsets_command_starts_a_node_that_joins_the_cluster(etcd: Any, tmp_path: Path) -> None:
+    """The DaemonSet's command, with the pod's address and machine name filled in as the kubelet
+    would (loopback here) and the test's etcd, starts a node that registers under the machine's name;
+    where ``--metrics-listen`` exists, its /readyz (the readiness probe) answers 200."""
+    from cluster.local import local_command
+    from cluster.process import start_node
+
+    command, env = _pod_command("DaemonSet", "dkv-node", "node",
+                                {"status.podIP": "127.0.0.1", "spec.nodeName": "k8s-machine-1"})
+    metrics = _has_option("serve", option="--metrics-listen")
+    local = local_command(command, etcd.url, metrics_listen="127.0.0.1:0" if metrics else None)
+    _, options = _options(local[3:])
+    cluster = options["--cluster"]
+    extra = [a for flag, value in options.items() if flag not in ("--listen", "--pool") for a in (flag, value)]
+    node = start_node(*extra, "--etcd-prefix", etcd.prefix, "--etcd-ttl", "2", pool="64MiB",
+                      listen=options["--listen"], workdir=tmp_path / "node", env=env, exit_with_parent=True)
+    try:
+        assert node.ready["node_id"] == "k8s-machine-1"
+        deadline = time.monotonic() + 30
+        while "k8s-machine-1" not in await _peers(etcd, cluster):
+            assert time.monotonic() < deadline, f"not registered in etcd:\n{node.log_tail()}"
+            await asyncio.sleep(0.2)
+        if metrics:
+            import httpx
+
+            address = str(node.ready["metrics_address"])
+            async with httpx.AsyncClient(timeout=5) as http:
+                while (await http.get(f"http://{address}/readyz")).status_code != 200:
+                    assert time.monotonic() < deadline, "the readiness probe's /readyz never answered 200"
+                    await asyncio.sleep(0.2)
+                assert (await http.get(f"http://{address}/healthz")).status_code == 200
+        else:
+            print("dkv serve has no --metrics-listen on this checkout: the probes' endpoint was not exercised")
+    finally:
+        assert node.stop() == 0, node.log_tail()
+
+
+async def test_the_router_deployments_command_serves_routes_once_ready(etcd: Any, tmp_path: Path) -> None:
+    """The Deployment's command, with loopback for its address and the test's etcd, starts the router
+    service; its readiness probe's /readyz answers 200 and /v1/route wants the token."""
+    if not _has_option("router", "serve", option="--listen"):
+        pytest.skip("`dkv router serve` is not on this checkout yet: its command was checked against topology() only")
+    import httpx
+
+    from cluster.local import local_command
+
+    command, env = _pod_command("Deployment", "dkv-router", "router", {})
+    local = local_command(command, etcd.url, listen="127.0.0.1:0")
+    proc = subprocess.Popen([*local, "--etcd-prefix", etcd.prefix], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, env={**os.environ, **env})
+    try:
+        address = None
+        deadline = time.monotonic() + 30
+        assert proc.stdout is not None
+        while address is None:
+            ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            assert ready and proc.poll() is None, "the router did not print its ready line"
+            line = proc.stdout.readline().decode(errors="replace").strip()
+            if line.startswith("{"):
+                address = json.loads(line)["address"]
+        async with httpx.AsyncClient(timeout=5) as http:
+            while (await http.get(f"http://{address}/readyz")).status_code != 200:
+                assert time.monotonic() < deadline, "the readiness probe's /readyz never answered 200"
+                await asyncio.sleep(0.2)
+            assert (await http.get(f"http://{address}/healthz")).status_code == 200
+            route = {"namespace": "ns", "hashes": ["00" * 32]}
+            assert (await http.post(f"http://{address}/v1/route", json=route)).status_code == 401
+            authorized = await http.post(f"http://{address}/v1/route", json=route,
+                                         headers={"Authorization": f"Bearer {env['DKV_TOKEN']}"})
+            assert authorized.status_code == 200 and authorized.json()["peer"] is None
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(15)
+        if proc.stdout is not None:
+            proc.stdout.close()
