@@ -40,7 +40,7 @@ K8S = ROOT / "cluster" / "k8s"
 K8S_VERSIONS = ("1.27.0", "1.33.0")
 CRD_KINDS = {"ServiceMonitor"}
 SECRET_EXAMPLE = "secret.example.yaml"
-COMPONENTS = ("rdma", "monitoring")
+COMPONENTS = ("rdma", "monitoring", "external-etcd")
 
 
 # ---------------------------------------------------------------- loading
@@ -160,6 +160,24 @@ def _merge(base: Any, patch: Any) -> Any:
                 merged_list[at] = _merge(merged_list[at], item)
         return merged_list
     return copy.deepcopy(patch)
+
+
+def _by_name(value: Any) -> Any:
+    """``value`` with every list of named items sorted by name (kustomize puts a patch's items first)."""
+    if isinstance(value, dict):
+        return {k: _by_name(v) for k, v in value.items()}
+    if isinstance(value, list):
+        items = [_by_name(v) for v in value]
+        if items and all(isinstance(i, dict) and "name" in i for i in items):
+            items.sort(key=lambda i: i["name"])
+        return items
+    return value
+
+
+def _component_patches(*names: str) -> list[dict[str, Any]]:
+    """The strategic-merge patches of the named components (all of them without names), in order."""
+    return [doc for c in names or COMPONENTS for p in _load(K8S / c / "kustomization.yaml")[0].get("patches", [])
+            for doc in _load(K8S / c / p["path"])]
 
 
 def _validate(doc: dict[str, Any], version: str) -> None:
@@ -396,6 +414,91 @@ def test_the_rdma_component_patches_the_node_into_a_valid_rdma_daemonset() -> No
     assert patched["spec"]["template"]["spec"]["volumes"] == node["spec"]["template"]["spec"]["volumes"]
 
 
+def _etcd_env_variables() -> set[str]:
+    """The environment forms of the etcd options every dKV command takes (--etcd-ca ...)."""
+    import typing
+
+    from dkv.cli import ETCD_OPTIONS
+
+    return {typing.get_args(annotation)[1].envvar for annotation in ETCD_OPTIONS.values()}
+
+
+def _external_etcd(workload: dict[str, Any]) -> dict[str, Any]:
+    for patch in _component_patches("external-etcd"):
+        if (patch["kind"], patch["metadata"]["name"]) == (workload["kind"], workload["metadata"]["name"]):
+            workload = _merge(workload, patch)
+    return workload
+
+
+def test_the_external_etcd_component_removes_the_members_and_gives_every_client_the_tls_files() -> None:
+    deleted = {(d["kind"], d["metadata"]["name"]) for d in _component_patches("external-etcd")
+               if d.get("$patch") == "delete"}
+    assert deleted == {(d["kind"], d["metadata"]["name"]) for d in _load(K8S / "etcd.yaml")}
+    config = _external_etcd(_one(_base(), "ConfigMap", "dkv-config"))["data"]
+    assert all(url.startswith("https://") for url in config["DKV_ETCD"].split(","))
+    for kind, name, container_name in (("DaemonSet", "dkv-node", "node"), ("Deployment", "dkv-router", "router")):
+        workload = _external_etcd(_one(_base(), kind, name))
+        for version in K8S_VERSIONS:
+            _validate(workload, version)
+        container = _container(workload, container_name)
+        pod = workload["spec"]["template"]["spec"]
+        env = {v["name"]: v.get("value") for v in container["env"]}
+        tls = {k: v for k, v in env.items() if k.startswith("DKV_ETCD_")}
+        assert set(tls) == {"DKV_ETCD_CA", "DKV_ETCD_CERT", "DKV_ETCD_KEY"} and set(tls) <= _etcd_env_variables()
+        mount = next(m for m in container["volumeMounts"] if m["name"] == "etcd-tls")
+        volume = next(v for v in pod["volumes"] if v["name"] == "etcd-tls")
+        assert volume["secret"]["secretName"] == "dkv-etcd-tls"
+        assert {str(Path(f).parent) for f in tls.values()} == {mount["mountPath"]}
+        assert {Path(f).name for f in tls.values()} == {"ca.crt", "tls.crt", "tls.key"}  # the Secret's keys
+        user = container.get("securityContext", {}).get("runAsUser")
+        if user is not None:  # a non-root client must be able to read the Secret's files
+            assert pod["securityContext"]["fsGroup"] == user and volume["secret"]["defaultMode"] & 0o040
+
+
+async def test_a_node_given_the_external_etcd_components_tls_environment_joins_a_tls_etcd(tmp_path: Path) -> None:
+    """The node's command and environment as the external-etcd component makes them (the Secret's files
+    where the pod would see them, an etcd with TLS and client certificates) join that etcd."""
+    from cluster.etcd_process import make_certificates, start_etcd
+    from cluster.local import local_command
+    from cluster.process import start_node
+
+    certs = make_certificates(tmp_path / "pki")
+    secret = tmp_path / "secret"  # what Secret dkv-etcd-tls holds, under its keys
+    secret.mkdir()
+    for key, source in (("ca.crt", certs.ca), ("tls.crt", certs.client_cert), ("tls.key", certs.client_key)):
+        (secret / key).write_bytes(source.read_bytes())
+        (secret / key).chmod(0o400)
+    node = _external_etcd(_one(_base(), "DaemonSet", "dkv-node"))
+    container = _container(node, "node")
+    mount = next(m["mountPath"] for m in container["volumeMounts"] if m["name"] == "etcd-tls")
+    config = _external_etcd(_one(_base(), "ConfigMap", "dkv-config"))["data"]
+    command, env = _resolve(container, config)
+    command = [a.replace("<status.podIP>", "127.0.0.1").replace("<spec.nodeName>", "tls-machine") for a in command]
+    env = {k: v.replace(mount, str(secret)) for k, v in env.items() if not v.startswith("<")}
+    env["DKV_TOKEN"] = os.urandom(24).hex()
+    etcd = start_etcd(certificates=certs)
+    started = None
+    try:
+        local = local_command(command, etcd.url)
+        _, options = _options(local[3:])
+        extra = [a for flag, value in options.items() if flag not in ("--listen", "--pool") for a in (flag, value)]
+        started = start_node(*extra, "--etcd-ttl", "2", pool="64MiB", listen=options["--listen"],
+                             workdir=tmp_path / "node", env=env, exit_with_parent=True)
+        peers = [sys.executable, "-m", "dkv.cli", "peers", *etcd.settings().cli_args(), "--cluster",
+                 options["--cluster"], "--json"]
+        deadline = time.monotonic() + 30
+        while True:
+            result = subprocess.run(peers, capture_output=True, text=True, timeout=60)
+            if result.returncode == 0 and "tls-machine" in {m["node_id"] for m in json.loads(result.stdout)}:
+                break
+            assert time.monotonic() < deadline, f"not registered: {result.stderr[-500:]}\n{started.log_tail()}"
+            await asyncio.sleep(0.2)
+    finally:
+        if started is not None:
+            assert started.stop() == 0, started.log_tail()
+        etcd.stop()
+
+
 def _kustomize(directory: Path) -> list[dict[str, Any]]:
     result = subprocess.run(["kubectl", "kustomize", str(directory)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
@@ -415,19 +518,22 @@ def test_kustomize_builds_the_base_and_every_component_into_valid_manifests(tmp_
         "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
         "resources": [to_k8s], "components": [f"{to_k8s}/{c}" for c in COMPONENTS]}))
     everything = _kustomize(overlay)
-    assert len(everything) == len(base) + 3  # the node metrics Service and two ServiceMonitors
+    etcd_objects = {(d["kind"], d["metadata"]["name"]) for d in _load(K8S / "etcd.yaml")}
+    assert {(d["kind"], d["metadata"]["name"]) for d in everything} == (
+        {(d["kind"], d["metadata"]["name"]) for d in base} - etcd_objects
+        | {("Service", "dkv-node-metrics"), ("ServiceMonitor", "dkv-node"), ("ServiceMonitor", "dkv-router")})
     for doc in everything:
         if doc["kind"] not in CRD_KINDS:
             _validate(doc, K8S_VERSIONS[-1])
     node = _container(_one(everything, "DaemonSet", "dkv-node"), "node")
     assert "IPC_LOCK" in node["securityContext"]["capabilities"]["add"]
-    # the Python merge above agrees with kustomize's (which puts the patch's variables first)
-    built = _one(everything, "DaemonSet", "dkv-node")
-    merged = _merge(_one(base, "DaemonSet", "dkv-node"), _load(K8S / "rdma" / "node-rdma.yaml")[0])
-    for workload in (built, merged):
-        container = _container(workload, "node")
-        container["env"] = sorted(container["env"], key=lambda var: var["name"])
-    assert built["spec"] == merged["spec"]
+    # the Python merge the tests above use agrees with kustomize's (up to the order of named items)
+    for kind, name in (("DaemonSet", "dkv-node"), ("Deployment", "dkv-router"), ("ConfigMap", "dkv-config")):
+        merged = _one(base, kind, name)
+        for patch in _component_patches():
+            if (patch["kind"], patch["metadata"]["name"]) == (kind, name):
+                merged = _merge(merged, patch)
+        assert _by_name(_one(everything, kind, name)) == _by_name(merged), name
 
 
 # ---------------------------------------------------------------- the manifests' commands run
