@@ -7,9 +7,15 @@ does not have: they are checked structurally here instead. The node DaemonSet,
 the router Deployment and the etcd StatefulSet are checked against
 :func:`cluster.local.topology`, as tests/cluster/test_compose.py checks
 docker-compose: same commands and options, ports and environment, with the
-addresses Kubernetes gives (the pod's address, the machine's name). Where
-``kubectl`` is installed, ``kubectl kustomize`` also builds the base with and
-without the optional components, and what it builds validates too.
+addresses Kubernetes gives (the pod's address, the machine's name). The
+optional components (rdma, monitoring, external-etcd) are applied as kustomize
+would and the result validated; where ``kubectl`` is installed, ``kubectl
+kustomize`` builds the base with and without them, what it builds validates,
+and it agrees with that emulation. Finally the commands run: the DaemonSet's
+starts a node that joins etcd (and answers its readiness probe where
+``--metrics-listen`` exists), the external-etcd environment joins a node to an
+etcd with TLS and client certificates, and the Deployment's starts the router
+(where ``dkv router serve`` exists), with loopback in place of the pod's address.
 """
 
 from __future__ import annotations
