@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 STATE_FILE = "cluster.json"
 DEFAULT_CLUSTER = "default"
 NODE_PORT_BASE = 7420
+METRICS_PORT = 9420  # a node's /metrics, /healthz, /readyz (``dkv serve --metrics-listen``)
+ROUTER_PORT = 7430  # the router service (``dkv router serve``)
 STOP_TIMEOUT = 10.0
 READY_TIMEOUT = 60.0
 ETCD_TLS_DIR = "etcd-tls"  # CA, etcd's and the clients' certificates (up --etcd-tls)
@@ -107,8 +109,12 @@ class ClusterRecord:
 def topology(nodes: int, *, pool: str = "1GiB", cluster: str = DEFAULT_CLUSTER) -> dict[str, dict[str, Any]]:
     """The services of an N-node cluster: what runs, with which arguments, ports and environment.
 
-    Addresses are symbolic (``etcd``, ``node-i``): the local launcher binds
-    loopback ports, docker-compose uses service names. Both run these commands.
+    Addresses are symbolic (``etcd``, ``node-i``, ``router``): the local
+    launcher binds loopback ports, docker-compose uses service names, the
+    Kubernetes manifests (``cluster/k8s/``) the pod's address. All of them run
+    these commands (tests/cluster/test_compose.py, tests/cluster/test_k8s.py).
+    Every node serves its metrics and health endpoints on ``METRICS_PORT``; the
+    router service answers routes on ``ROUTER_PORT``.
     """
     services: dict[str, dict[str, Any]] = {
         "etcd": {
@@ -122,16 +128,35 @@ def topology(nodes: int, *, pool: str = "1GiB", cluster: str = DEFAULT_CLUSTER) 
         node_id = f"node-{i}"
         services[node_id] = {
             "command": ["dkv", "serve", "--listen", f"{node_id}:{NODE_PORT_BASE}", "--pool", pool,
-                        "--etcd", "http://etcd:2379", "--node-id", node_id, "--cluster", cluster],
-            "ports": [NODE_PORT_BASE],
+                        "--etcd", "http://etcd:2379", "--node-id", node_id, "--cluster", cluster,
+                        "--metrics-listen", f"{node_id}:{METRICS_PORT}"],
+            "ports": [NODE_PORT_BASE, METRICS_PORT],
             "environment": {"UCX_TLS": "tcp", "DKV_TOKEN": "${DKV_TOKEN}"},
         }
+    services["router"] = {
+        "command": ["dkv", "router", "serve", "--listen", f"router:{ROUTER_PORT}", "--etcd", "http://etcd:2379",
+                    "--cluster", cluster],
+        "ports": [ROUTER_PORT],
+        "environment": {"DKV_TOKEN": "${DKV_TOKEN}"},
+    }
     return services
 
 
-def local_command(command: list[str], etcd_url: str, listen: str = "127.0.0.1:0") -> list[str]:
-    """A topology command as the local launcher runs it: this interpreter, a local address, local etcd."""
+def local_command(command: list[str], etcd_url: str, listen: str = "127.0.0.1:0",
+                  metrics_listen: str | None = None) -> list[str]:
+    """A topology command as the local launcher runs it: this interpreter, a local address, local etcd.
+
+    ``metrics_listen`` is where a node serves ``/metrics`` and its health
+    (e.g. ``127.0.0.1:0``); ``None`` drops ``--metrics-listen`` from the command,
+    so the local node runs without that endpoint.
+    """
     local = [sys.executable, "-m", "dkv.cli", *command[1:]]
+    if "--metrics-listen" in local:
+        at = local.index("--metrics-listen")
+        if metrics_listen is None:
+            del local[at:at + 2]
+        else:
+            local[at + 1] = metrics_listen
     for flag, value in (("--listen", listen), ("--etcd", etcd_url)):
         local[local.index(flag) + 1] = value
     return local

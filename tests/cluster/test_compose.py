@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import yaml
 
-from cluster.local import local_command, topology
+from cluster.local import METRICS_PORT, NODE_PORT_BASE, ROUTER_PORT, local_command, topology
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,8 +34,33 @@ def test_compose_runs_the_launchers_services_with_the_same_commands_ports_and_en
 def test_the_local_launcher_runs_the_topology_commands_with_local_addresses() -> None:
     command = topology(3, pool="1GiB")["node-1"]["command"]
     local = local_command(command, "http://127.0.0.1:2399")
-    assert local[3:] == [*command[1:3], "127.0.0.1:0", *command[4:6], *command[6:7], "http://127.0.0.1:2399",
-                         *command[8:]]
+    assert local[:3] == [sys.executable, "-m", "dkv.cli"]
+    # without metrics_listen the node runs without its metrics endpoint; every other option is the topology's
+    expected = [*command[1:]]
+    at = expected.index("--metrics-listen")
+    del expected[at:at + 2]
+    expected[expected.index("--listen") + 1] = "127.0.0.1:0"
+    expected[expected.index("--etcd") + 1] = "http://127.0.0.1:2399"
+    assert local[3:] == expected
+    with_metrics = local_command(command, "http://127.0.0.1:2399", metrics_listen="127.0.0.1:0")
+    assert with_metrics[with_metrics.index("--metrics-listen") + 1] == "127.0.0.1:0"
+    assert len(with_metrics) == len(local) + 2
+
+
+def test_the_topology_runs_a_router_service_and_a_metrics_endpoint_on_every_node() -> None:
+    topo = topology(2, pool="1GiB", cluster="c1")
+    router = topo["router"]
+    assert router["command"] == ["dkv", "router", "serve", "--listen", f"router:{ROUTER_PORT}",
+                                 "--etcd", "http://etcd:2379", "--cluster", "c1"]
+    assert router["ports"] == [ROUTER_PORT] and set(router["environment"]) == {"DKV_TOKEN"}
+    for node_id in ("node-0", "node-1"):
+        node = topo[node_id]
+        command = node["command"]
+        assert command[command.index("--metrics-listen") + 1] == f"{node_id}:{METRICS_PORT}"
+        assert node["ports"] == [NODE_PORT_BASE, METRICS_PORT]
+    local = local_command(router["command"], "http://127.0.0.1:2399", listen="127.0.0.1:0")
+    assert local[3:] == ["router", "serve", "--listen", "127.0.0.1:0", "--etcd", "http://127.0.0.1:2399",
+                         "--cluster", "c1"]
 
 
 def test_node_pools_fit_the_containers_shared_memory() -> None:
