@@ -55,9 +55,9 @@ NODE_METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "dkv_node_leases_total": ("counter", ("event",),
                               "Lease events: granted, expired (TTL), dropped (ended for a newer one at a "
                               "client's limit or a credential's quota), refused (node at max_leases)"),
-    "dkv_node_leases": ("gauge", (), "Leases held now"),
+    "dkv_node_leases_held": ("gauge", (), "Leases held now"),
     "dkv_node_pinned_blocks": ("gauge", (), "Blocks pinned now by leases or reads"),
-    "dkv_node_reads": ("gauge", (), "Reads in flight now"),
+    "dkv_node_reads_in_flight": ("gauge", (), "Reads in flight now"),
     "dkv_node_reads_total": ("counter", ("event",), "Read events: refused (lease gone), expired (read TTL)"),
     "dkv_node_reservations": ("gauge", (), "Write reservations open now"),
     "dkv_node_blocks": ("gauge", ("tier",), "Blocks indexed now: host (in the pool), disk (staged or on disk)"),
@@ -134,9 +134,9 @@ class NodeCollector:
             (("granted",), c.leases_granted), (("expired",), c.leases_expired),
             (("dropped",), c.leases_dropped_over_limit + c.leases_dropped_over_quota),
             (("refused",), c.leases_refused)])
-        yield f("dkv_node_leases", len(store.leases))
+        yield f("dkv_node_leases_held", len(store.leases))
         yield f("dkv_node_pinned_blocks", store.pinned_blocks)
-        yield f("dkv_node_reads", len(store.reads))
+        yield f("dkv_node_reads_in_flight", len(store.reads))
         yield f("dkv_node_reads_total", labels=[(("refused",), c.reads_refused), (("expired",), c.reads_expired)])
         yield f("dkv_node_reservations", len(store.reservations))
         off_host = store.blocks_off_host()

@@ -32,6 +32,8 @@ MAX_REQUEST = 8192  # bytes of request line plus headers
 READ_TIMEOUT = 5.0
 MAX_CONNECTIONS = 32
 CLOSE_TIMEOUT = 5.0
+LINGER = 0.5  # after an error answer, the most time and bytes spent reading what the peer still sends
+LINGER_BYTES = 1 << 20
 JSON = "application/json"
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 408: "Request Timeout",
             431: "Request Header Fields Too Large", 503: "Service Unavailable", 500: "Internal Server Error"}
@@ -47,7 +49,8 @@ class MetricsEndpoint:
         self.not_ready = not_ready
         self.max_connections = max_connections
         self.read_timeout = read_timeout
-        self.served: dict[int, int] = {}  # answers by status (tests and the log)
+        self.served: dict[int, int] = {}  # answers by status
+        self.refused = 0  # connections closed unanswered at the connection cap
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -85,8 +88,8 @@ class MetricsEndpoint:
         clean = False
         try:
             if len(self._tasks) > self.max_connections:
-                await self._answer(writer, 503, {"error": f"more than {self.max_connections} connections"}, JSON)
-                return
+                self.refused += 1
+                return  # over the cap: closed unanswered (like a full backlog), so it cannot linger
             try:
                 async with asyncio.timeout(self.read_timeout):
                     head = await reader.readuntil(b"\r\n\r\n")
@@ -94,12 +97,15 @@ class MetricsEndpoint:
                 await self._answer(writer, 408, {"error": f"no complete request within {self.read_timeout} s"}, JSON)
                 return
             except (asyncio.LimitOverrunError, ValueError):
-                await self._answer(writer, 431, {"error": f"request head over {MAX_REQUEST} bytes"}, JSON)
+                if await self._answer(writer, 431, {"error": f"request head over {MAX_REQUEST} bytes"}, JSON):
+                    clean = await self._linger(reader)
                 return
             except (asyncio.IncompleteReadError, ConnectionError):
                 return  # the peer went away before finishing its request
             status, body, content_type = self._route(head)
             clean = await self._answer(writer, status, body, content_type, head_only=head.startswith(b"HEAD "))
+            if clean and status >= 400:
+                await self._linger(reader)
         except asyncio.CancelledError:
             pass
         except Exception:  # a bug costs this one answer, never the node
@@ -130,6 +136,25 @@ class MetricsEndpoint:
                 return 200, {"status": "ready"}, JSON
             return 503, {"status": "not ready", "reason": reason}, JSON
         return 404, {"error": "not found: the node serves /metrics, /healthz and /readyz"}, JSON
+
+    async def _linger(self, reader: asyncio.StreamReader) -> bool:
+        """Read and drop what the peer still sends (bounded), so that closing does not reset the answer away.
+
+        Closing a socket with unread input sends a reset, which may reach the
+        peer before it has read the answer. True when the peer closed its side
+        within :data:`LINGER` seconds and :data:`LINGER_BYTES` bytes.
+        """
+        left = LINGER_BYTES
+        try:
+            async with asyncio.timeout(LINGER):
+                while left > 0:
+                    chunk = await reader.read(min(left, 65536))
+                    if not chunk:
+                        return True
+                    left -= len(chunk)
+        except (TimeoutError, ConnectionError):
+            pass
+        return False
 
     async def _answer(self, writer: asyncio.StreamWriter, status: int, body: Any, content_type: str, *,
                       head_only: bool = False) -> bool:
