@@ -103,11 +103,22 @@ def _family(name: str, value: float | None = None, labels: Iterable[tuple[Iterab
     return family
 
 
-class NodeCollector:
-    """Reads a :class:`~dkv.server.NodeServer`'s numbers at scrape time (on its event loop)."""
+def without_created(metrics: Iterable[Metric]) -> Iterator[Metric]:
+    """``metrics`` without their ``_created`` samples (exported as extra gauge families in the text format)."""
+    for metric in metrics:
+        metric.samples = [s for s in metric.samples if not s.name.endswith("_created")]
+        yield metric
 
-    def __init__(self, server: Any) -> None:
+
+class NodeCollector:
+    """Reads a :class:`~dkv.server.NodeServer`'s numbers at scrape time (on its event loop).
+
+    ``timer`` (when given) adds its request-duration histogram.
+    """
+
+    def __init__(self, server: Any, timer: RequestTimer | None = None) -> None:
         self.server = server
+        self.timer = timer
 
     def describe(self) -> list[Metric]:
         return []  # families vary (cluster ones only with etcd); nothing to check for duplicates
@@ -172,6 +183,8 @@ class NodeCollector:
             yield f("dkv_node_publish_txns_total", pc.txns)
             yield f("dkv_node_publish_failures_total", pc.flush_failures)
             yield f("dkv_node_directory_resyncs_total", pc.resyncs)
+        if self.timer is not None:
+            yield from without_created(self.timer.histogram.collect())
 
 
 class RequestTimer:
@@ -181,9 +194,9 @@ class RequestTimer:
     dict lookup and one :meth:`Histogram.observe`.
     """
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self) -> None:
         name = "dkv_node_request_duration_seconds"
-        self.histogram = Histogram(name, NODE_METRICS[name][2], ["op"], registry=registry, buckets=REQUEST_BUCKETS)
+        self.histogram = Histogram(name, NODE_METRICS[name][2], ["op"], registry=None, buckets=REQUEST_BUCKETS)
         self._children: dict[str, Any] = {}
 
     def __call__(self, op: str, seconds: float) -> None:
@@ -195,8 +208,9 @@ class RequestTimer:
 
 def node_registry(server: Any) -> CollectorRegistry:
     """A registry holding ``server``'s metrics; from now on the server times its requests into it."""
+    timer = RequestTimer()
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(NodeCollector(server))
-    server.observe_request = RequestTimer(registry)
+    registry.register(NodeCollector(server, timer))
+    server.observe_request = timer
     return registry
 
