@@ -47,6 +47,7 @@ itself, whatever happens to the lease (the next ``lookup()`` ends it at once).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -54,7 +55,9 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+from prometheus_client import CollectorRegistry
 
+from connector.metrics import ConnectorCollector
 from connector.scheduler_side import (
     DEFAULT_MAX_LEASES,
     HANDLE_GROUPS,
@@ -115,6 +118,7 @@ class DKVConnector:
         local: bool | None = None,
         peer_idle_timeout: float = PEER_IDLE_TIMEOUT,
         checksums: bool = True,
+        metrics_registry: CollectorRegistry | None = None,
     ) -> None:
         """Any thread (the engine's, once): connect to the co-located node at ``node`` and, with ``etcd``, follow the cluster.
 
@@ -134,12 +138,21 @@ class DKVConnector:
         (:class:`dkv.etcd.EtcdSettings`, e.g. ``EtcdSettings.from_env()``); its
         endpoints are used unless ``etcd`` is given too. Invalid settings raise
         :class:`~dkv.errors.ConfigError`, a refusing etcd :class:`~dkv.errors.ClusterError`.
+
+        ``metrics_registry``: a prometheus_client registry to export the
+        connector's ``dkv_connector_*`` metrics in (:mod:`connector.metrics`;
+        one connector per registry), until :meth:`shutdown`. Without one,
+        :meth:`prometheus_registry` makes one on request.
         """
         self.namespace = check_namespace(namespace)
         self._sched = SchedulerSide(leaves, device_blocks, namespace=self.namespace, node_address=node,
                                     timeout=timeout)
         self.node_address = node
         self.timeout = timeout
+        self._registry: CollectorRegistry | None = None
+        self._collector = ConnectorCollector(self._sched)
+        if metrics_registry is not None:
+            self._export_to(metrics_registry)  # before anything starts: a clash raises with nothing to undo
         if etcd_settings is not None:
             etcd_settings = (replace(etcd_settings, endpoints=etcd) if etcd else etcd_settings).validate()
         etcd_target: str | EtcdSettings | None = etcd_settings or etcd
@@ -157,7 +170,27 @@ class DKVConnector:
         except BaseException:
             loop.run(self._worker.close(), timeout + 5)
             release_shared_loop()
+            self._unexport()
             raise
+
+    # ---- metrics ------------------------------------------------------------------------------
+
+    def prometheus_registry(self) -> CollectorRegistry:
+        """Any thread: the registry this connector's metrics are in (``metrics_registry``, else a new one, made once)."""
+        if self._registry is None:
+            self._export_to(CollectorRegistry(auto_describe=False))
+        assert self._registry is not None
+        return self._registry
+
+    def _export_to(self, registry: CollectorRegistry) -> None:
+        registry.register(self._collector)  # ValueError if the registry holds another connector's families
+        self._registry = registry
+
+    def _unexport(self) -> None:
+        registry, self._registry = self._registry, None
+        if registry is not None:
+            with contextlib.suppress(KeyError):
+                registry.unregister(self._collector)
 
     # ---- identity -----------------------------------------------------------------------------
 
@@ -427,6 +460,7 @@ class DKVConnector:
         finally:
             worker.closed = True
             release_shared_loop()
+            self._unexport()  # a registry the engine keeps shows no stopped connector
 
     # ---- the two sides' state, by the names tests and tools have used ----------------------------
 

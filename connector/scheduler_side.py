@@ -34,6 +34,7 @@ import torch
 from connector.held_blocks import HeldBlocks
 from connector.lease_budget import LeaseBudget, Slot
 from connector.transfer_plan import LeafRun, TransferPlan, plan_transfer
+from connector.metrics import load_duration_histogram
 from connector.types import (
     AttentionKind,
     KVCacheMetrics,
@@ -41,7 +42,7 @@ from connector.types import (
     KVLoadRefused,
     LeafSpec,
 )
-from dkv.errors import PeerUnauthenticated, TransportError
+from dkv.errors import ChecksumMismatch, OpTimeout, PeerUnauthenticated, ReadNotIntact, RemoteError, TransportError
 from dkv.etcd import MemberRecord
 from dkv.hints import (
     BEHIND_DEVICE,
@@ -166,7 +167,41 @@ class ConnectorCounters:
     lookups_over_lease_budget: int = 0  # the node's max_leases were all held: a miss without asking
     lookups_truncated: int = 0  # longer than one leased request may be (max_cost, max_keys): the tail was a miss
     hints_behind_device: int = 0  # usable hints with nothing to add: the device already holds more
+    bytes_loaded: int = 0  # block bytes loads brought in (host side: what the reads received)
+    bytes_offloaded: int = 0  # block bytes offloads stored on the co-located node (D2H bytes it took)
     unusable_hints: Counter[str] = field(default_factory=Counter)
+    loads_refused_by_reason: Counter[str] = field(default_factory=Counter)  # see LOAD_REFUSALS; sums to loads_refused
+    loads_failed_by_reason: Counter[str] = field(default_factory=Counter)  # see load_failure_reason; sums to loads_failed
+
+
+# Why a load was refused before anything moved (``counters.loads_refused_by_reason``).
+LOAD_REFUSALS = ("invalid", "no_lookup", "hint_mismatch", "no_lease", "lease_expired", "lease_lost", "not_reported")
+# Error codes a node may answer a read with that are counted by name; any other code counts as "remote".
+_READ_ERROR_CODES = frozenset({"lease_expired", "busy", "forbidden", "invalid", "protocol", "shm", "too_costly"})
+
+
+def load_failure_reason(exc: BaseException) -> str:
+    """A bounded label for why a posted load failed (``counters.loads_failed_by_reason``).
+
+    ``checksum`` (bytes did not match), ``not_intact`` (a same-host copy
+    outlived its read's pins), ``unauthenticated`` (the peer could not prove the
+    credential), ``timeout``, ``transport`` (the connection failed), a node's
+    error code (``lease_expired``, ``busy``, ...; ``remote`` for one not known
+    here, so a peer cannot mint labels), or ``other``.
+    """
+    if isinstance(exc, ChecksumMismatch):
+        return "checksum"
+    if isinstance(exc, ReadNotIntact):
+        return "not_intact"
+    if isinstance(exc, PeerUnauthenticated):
+        return "unauthenticated"
+    if isinstance(exc, (OpTimeout, TimeoutError)):
+        return "timeout"
+    if isinstance(exc, (TransportError, OSError)):
+        return "transport"
+    if isinstance(exc, RemoteError):
+        return exc.code if exc.code in _READ_ERROR_CODES else "remote"
+    return "other"
 
 
 def validate_device_blocks(leaves: Mapping[str, LeafSpec],
@@ -218,6 +253,7 @@ class SchedulerSide:
         self.clock = clock
         self.counters = ConnectorCounters()
         self._count_lock = threading.Lock()  # counters are written from both threads
+        self.load_seconds = load_duration_histogram()  # observed on the loop thread, per load that landed
         self._metrics = KVCacheMetrics()
         self._metrics_lock = threading.Lock()
         self.last_lookup: dict[int, LeaseState] = {}  # scheduler thread: each replica's lookup() lease
@@ -436,41 +472,64 @@ class SchedulerSide:
             self.check_replica(replica_idx)
             plan = plan_transfer(block_ids, block_hashes, self.blocks[replica_idx])
         except ValueError as exc:
-            self._refused()
+            self._refused("invalid")
             raise KVLoadInvalid(f"load refused: {exc}") from exc
         if not plan.runs:
             return None
-        try:
-            self.check_covered(state, plan, hint, leases_lost)
-        except KVLoadRefused:
-            self._refused()
-            raise
+        refusal = self.uncovered(state, plan, hint, leases_lost)
+        if refusal is not None:
+            reason, exc = refusal
+            self._refused(reason)
+            raise exc
         return plan
 
-    def _refused(self) -> None:
-        self.count(loads_refused=1)
+    def _refused(self, reason: str) -> None:
+        with self._count_lock:
+            self.counters.loads_refused += 1
+            self.counters.loads_refused_by_reason[reason] += 1
         self.add_metrics(connector_loads_refused=1)
+
+    def count_load_failure(self, exc: BaseException | None) -> None:
+        """Any thread: a posted load failed (``None``: it could not be posted); counted by :func:`load_failure_reason`."""
+        reason = "post" if exc is None else load_failure_reason(exc)
+        with self._count_lock:
+            self.counters.loads_failed += 1
+            self.counters.loads_failed_by_reason[reason] += 1
+            if reason == "checksum":
+                self.counters.checksum_failures += 1
 
     def check_covered(self, state: LeaseState | None, plan: TransferPlan, hint: bytes | None,
                       leases_lost: Callable[[str, int], bool]) -> None:
         """Scheduler thread: :class:`KVLoadRefused` unless ``state``'s live lease covers every block of ``plan``."""
+        refusal = self.uncovered(state, plan, hint, leases_lost)
+        if refusal is not None:
+            raise refusal[1]
+
+    def uncovered(self, state: LeaseState | None, plan: TransferPlan, hint: bytes | None,
+                  leases_lost: Callable[[str, int], bool]) -> tuple[str, KVLoadRefused] | None:
+        """Scheduler thread: ``None`` when ``state``'s live lease covers every block of ``plan``, else (reason, refusal).
+
+        The reason is one of :data:`LOAD_REFUSALS`.
+        """
         if state is None:
-            raise KVLoadRefused("no completed lookup precedes this load (or it found nothing)")
+            return "no_lookup", KVLoadRefused("no completed lookup precedes this load (or it found nothing)")
         if state.hint != hint:
-            raise KVLoadRefused("load must carry the same hint as its lookup")
+            return "hint_mismatch", KVLoadRefused("load must carry the same hint as its lookup")
         if state.lease_id is None:
-            raise KVLoadRefused("the lookup holds no lease", *state.blame(plan))
+            return "no_lease", KVLoadRefused("the lookup holds no lease", *state.blame(plan))
         if self.clock() > state.expires_at - LEASE_MARGIN:
-            raise KVLoadRefused("the lookup's lease expired before the load", *state.blame(plan))
+            return "lease_expired", KVLoadRefused("the lookup's lease expired before the load", *state.blame(plan))
         if leases_lost(state.address, state.generation):
-            raise KVLoadRefused("the node no longer holds the lookup's lease (every connection to it closed, "
-                                "or it restarted)", *state.blame(plan))
+            return "lease_lost", KVLoadRefused("the node no longer holds the lookup's lease (every connection to it "
+                                               "closed, or it restarted)", *state.blame(plan))
         reported = state.reported
         for run in plan.runs:
             held = reported.get(run.leaf, frozenset())
             if not held.issuperset(run.hashes):
                 missing = next(h for h in run.hashes if h not in held)
-                raise KVLoadRefused(f"leaf {run.leaf!r}: block was not reported by the lookup", run.leaf, missing)
+                return "not_reported", KVLoadRefused(f"leaf {run.leaf!r}: block was not reported by the lookup",
+                                                     run.leaf, missing)
+        return None
 
     # ---- offloads -------------------------------------------------------------------------------
 

@@ -424,7 +424,7 @@ class WorkerSide:
         try:
             future = self.submit(self._read(state, plan))
         except Exception as exc:
-            self.sched.count(loads_failed=1)
+            self.sched.count_load_failure(None)
             self.release(state)
             raise KVLoadFailed(f"could not post the load: {exc}") from exc
         self.sched.count(loads=1)
@@ -437,14 +437,14 @@ class WorkerSide:
         sched = self.sched
         keys, rows = plan.keys(), plan.rows()
         targets, finish = self.copy[plan.device].load_targets(rows)
+        started = time.perf_counter()
         try:
             client = self.client(state.address)
             with self.using(client):
                 await client.read(state.lease_id, keys, targets)  # type: ignore[arg-type]
         except Exception as exc:
-            sched.count(loads_failed=1)
+            sched.count_load_failure(exc)  # by reason; a checksum failure in checksum_failures too
             if isinstance(exc, ChecksumMismatch):  # corrupted or substituted bytes: failed, never delivered
-                sched.count(checksum_failures=1)
                 log.warning("a load from %s failed its checksum: %s", state.address, exc)
             if state.peer:
                 sched.add_metrics(dkv_peer_load_failures=1)
@@ -454,7 +454,8 @@ class WorkerSide:
             # the read ended the lease on the node (or its failure did: a refused read, or the
             # connection closing); a lease the node still holds, if any, lapses with its TTL
             sched.budget.give_back_lease(state.address, state.lease_id)  # type: ignore[arg-type]
-        sched.count(blocks_loaded=len(keys))
+        sched.load_seconds.labels("peer" if state.peer else "local").observe(time.perf_counter() - started)
+        sched.count(blocks_loaded=len(keys), bytes_loaded=plan.nbytes)
         sched.add_metrics(h2d_bytes_copied=plan.nbytes, dkv_peer_loads=int(state.peer))
         return finish()
 
@@ -480,8 +481,10 @@ class WorkerSide:
                 sched.count(offloads_failed=1, checksum_failures=int(isinstance(exc, ChecksumMismatch)))
                 self.unanswered(self.node_address, exc)  # a dead node: later offloads and lookups back off
                 raise
-            sched.count(blocks_offloaded=result.stored, offload_blocks_full=result.statuses.count(FULL))
-            sched.add_metrics(d2h_bytes_copied=sched.learn_offload(plan, result.statuses))
+            moved = sched.learn_offload(plan, result.statuses)
+            sched.count(blocks_offloaded=result.stored, offload_blocks_full=result.statuses.count(FULL),
+                        bytes_offloaded=moved)
+            sched.add_metrics(d2h_bytes_copied=moved)
 
         try:
             future = self.submit(run())

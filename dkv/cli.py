@@ -22,6 +22,7 @@ from dkv.units import format_size, parse_address, parse_size
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="dKV: distributed KV-cache store for LLM serving.")
 DEFAULT_PORT = 7420
+DEFAULT_METRICS_PORT = 9420
 
 
 def read_token(token_file: Path | None) -> bytes | None:
@@ -153,6 +154,7 @@ def serve(
     etcd_ttl: Annotated[int, typer.Option(help="Seconds a dead node's membership and entries outlive it.")] = 10,
     publish_every: Annotated[int, typer.Option(help="Announce every k-th block of an offloaded run plus its last (1 = all).")] = 1,
     ready_file: Annotated[Optional[Path], typer.Option(help="Write a JSON line with the bound address here once serving.")] = None,
+    metrics_listen: Annotated[Optional[str], typer.Option(envvar="DKV_METRICS_LISTEN", help="HOST:PORT of an HTTP endpoint serving /metrics (Prometheus), /healthz and /readyz; unauthenticated (metrics carry no secrets). Default port 9420; off unless given.")] = None,
     exit_with_parent: Annotated[bool, typer.Option(help="Stop (gracefully) once the process that started this node has exited.")] = False,
     log_level: LogLevelOption = "INFO",
     etcd_settings: Any = None,  # from @etcd_options: --etcd-ca, --etcd-cert, --etcd-key, --etcd-user, ...
@@ -196,7 +198,8 @@ def serve(
                 raise ConfigError("--etcd needs --node-id: the cluster knows a node by its id")
             cluster_config = ClusterConfig(etcd=etcd_settings(etcd), cluster=cluster, prefix=etcd_prefix, ttl=etcd_ttl,
                                            publish_every=publish_every)
-        asyncio.run(_serve(config, cluster_config, ready_file, exit_with_parent))
+        metrics_at = parse_address(metrics_listen, DEFAULT_METRICS_PORT) if metrics_listen else None
+        asyncio.run(_serve(config, cluster_config, ready_file, exit_with_parent, metrics_at))
     except (DKVError, ValueError) as exc:
         fail(str(exc))
 
@@ -212,7 +215,8 @@ async def _when_parent_exits(parent: int, stop: asyncio.Event) -> None:
     stop.set()
 
 
-async def _serve(config: Any, cluster_config: Any, ready_file: Path | None, exit_with_parent: bool = False) -> None:
+async def _serve(config: Any, cluster_config: Any, ready_file: Path | None, exit_with_parent: bool = False,
+                 metrics_at: tuple[str, int] | None = None) -> None:
     from dkv.server import NodeServer
 
     server = NodeServer(config, cluster_config)
@@ -221,29 +225,50 @@ async def _serve(config: Any, cluster_config: Any, ready_file: Path | None, exit
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     watch = asyncio.create_task(_when_parent_exits(os.getppid(), stop)) if exit_with_parent else None
+    endpoint = None
     try:
+        if metrics_at is not None:  # first: /healthz answers (and /readyz says why not) while the node starts
+            endpoint = await _start_metrics(server, *metrics_at)
         await server.start()
         # "shm": the one file the node keeps under /dev/shm (a tokenless node's local credential), or ""
         credential = server.local_credential
         ready = {"address": server.address, "port": server.port, "node_id": config.node_id,
                  "pid": os.getpid(), "shm": credential.name if credential else "", "epoch": server.epoch,
                  "cluster": cluster_config.cluster if cluster_config else None}
+        if endpoint is not None:
+            ready["metrics_address"] = endpoint.address
         if ready_file is not None:
             tmp = ready_file.with_suffix(".tmp")
             tmp.write_text(json.dumps(ready) + "\n")
             tmp.replace(ready_file)
         access = f"same-host clients only (credential {credential.path})" if credential else "cluster token"
+        metrics = f"; metrics on http://{endpoint.address}/metrics" if endpoint is not None else ""
         print(f"dkv node {config.node_id} serving on {server.address} "
-              f"(pool {format_size(server.arena.size)}, {access})", flush=True)
+              f"(pool {format_size(server.arena.size)}, {access}){metrics}", flush=True)
         await stop.wait()
     finally:
         if watch is not None:
             watch.cancel()
             await asyncio.gather(watch, return_exceptions=True)
+        if endpoint is not None:
+            await endpoint.close()  # before the store it reads goes
         await server.stop()
         if ready_file is not None:
             ready_file.unlink(missing_ok=True)
         print(f"dkv node {config.node_id} stopped", flush=True)
+
+
+async def _start_metrics(server: Any, host: str, port: int) -> Any:
+    """The node's /metrics, /healthz and /readyz endpoint (dkv.metrics_http), serving; ConfigError if it cannot bind."""
+    from dkv.metrics import node_registry
+    from dkv.metrics_http import MetricsEndpoint
+
+    endpoint = MetricsEndpoint(node_registry(server), server.not_ready)
+    try:
+        await endpoint.start(host, port)
+    except OSError as exc:
+        raise ConfigError(f"cannot listen for metrics on {host}:{port}: {exc.strerror or exc}") from None
+    return endpoint
 
 
 @app.command()

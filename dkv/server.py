@@ -227,6 +227,12 @@ class NodeServer:
         self._credential_conns: dict[str, int] = {}  # authenticated connections per credential name
         self._next_idle_scan = 0.0
         self.reaped: dict[str, int] = {}  # connections closed by the node: "idle", or "cap" to admit another
+        # block bytes moved, by direction and path: "in" = committed writes, "out" = reads and same-host loads;
+        # "listener" = the bytes went over the node's connection, "local" = the client copied them itself (shm)
+        self.traffic: dict[str, dict[str, int]] = {"in": {"local": 0, "listener": 0},
+                                                   "out": {"local": 0, "listener": 0}}
+        # called with (op, seconds) after each request once metrics are on (dkv.metrics); None: nothing timed
+        self.observe_request: Callable[[str, float], None] | None = None
 
     @property
     def node_id(self) -> str:
@@ -267,6 +273,21 @@ class NodeServer:
         log.info("node %s listening on %s (pool %d bytes, %s)", self.config.node_id, self.address,
                  self.arena.size, "cluster token" if self.local_credential is None
                  else f"same-host clients only: credential in {self.local_credential.path}")
+
+    def not_ready(self) -> str | None:
+        """Why the node is not ready to serve (``None``: ready): its listener is up and, with a cluster, it is registered.
+
+        A node whose etcd lease was lost is not ready until it registered again.
+        """
+        if self._closed:
+            return "stopping"
+        if self._listener is None:
+            return "starting: the listener is not up yet"
+        if self.cluster_config is not None:
+            presence = self.presence
+            if presence is None or presence.membership.lease_id is None:
+                return "not registered in etcd (membership not live)"
+        return None
 
     async def stop(self) -> None:
         """Graceful shutdown: stop accepting, close connections, free the arena. Idempotent."""
@@ -593,20 +614,26 @@ class NodeServer:
         if peer.namespace == ADMIN_NAMESPACE and op != "stats":
             raise ProtocolError(f"the {ADMIN_NAMESPACE} namespace may only ask for stats")
         self.ops[op] = self.ops.get(op, 0) + 1
-        if "ends" in request:  # leases the client loaded from on the same-host path (see dkv.wire)
-            self._end_used(peer, request["ends"])
-        handler: Callable[[_Peer, dict[str, Any]], Any] = getattr(self, f"_op_{op}")
+        started = time.perf_counter()  # request duration: from a valid request to its reply (and payloads) sent
         try:
-            if op in COSTED_OPS:
-                self._check_cost(request)  # before any work: one request must not stall the node
-            self._authorise(peer, op, request)
-            await handler(peer, request)
-        except RemoteError as exc:
-            self._count_error(exc.code)
-            await peer.conn.send_message(error_reply(exc.code, exc.message), self.config.op_timeout)
-        except ValueError as exc:
-            self._count_error("invalid")
-            await peer.conn.send_message(error_reply("invalid", str(exc)), self.config.op_timeout)
+            if "ends" in request:  # leases the client loaded from on the same-host path (see dkv.wire)
+                self._end_used(peer, request["ends"])
+            handler: Callable[[_Peer, dict[str, Any]], Any] = getattr(self, f"_op_{op}")
+            try:
+                if op in COSTED_OPS:
+                    self._check_cost(request)  # before any work: one request must not stall the node
+                self._authorise(peer, op, request)
+                await handler(peer, request)
+            except RemoteError as exc:
+                self._count_error(exc.code)
+                await peer.conn.send_message(error_reply(exc.code, exc.message), self.config.op_timeout)
+            except ValueError as exc:
+                self._count_error("invalid")
+                await peer.conn.send_message(error_reply("invalid", str(exc)), self.config.op_timeout)
+        finally:
+            observe = self.observe_request
+            if observe is not None:
+                observe(op, time.perf_counter() - started)
 
     @staticmethod
     def _authorise(peer: _Peer, op: str, request: dict[str, Any]) -> None:
@@ -649,8 +676,20 @@ class NodeServer:
                           ttl=self.config.lease_ttl, **extra)
 
     def _end_used(self, peer: _Peer, lease_ids: Any) -> int:
-        """End leases whose blocks the client copied itself (same-host loads); how many were still held."""
-        return sum(self.store.end_used_lease(lease_id, peer.client_owner) for lease_id in lease_ids)
+        """End leases whose blocks the client copied itself (same-host loads); how many were still held.
+
+        Their blocks' bytes count as moved out on the local path.
+        """
+        store, owner = self.store, peer.client_owner
+        ended = moved = 0
+        for lease_id in lease_ids:
+            lease = store.leases.get(lease_id)
+            if lease is not None and lease.owner == owner:
+                blocks = store.blocks
+                moved += sum(block.size for key in lease.keys if (block := blocks.get(key)) is not None)
+            ended += store.end_used_lease(lease_id, owner)
+        self.traffic["out"]["local"] += moved
+        return ended
 
     async def _op_end(self, peer: _Peer, req: dict[str, Any]) -> None:
         """Carries ``ends`` for a client with nothing else to send (ended in :meth:`_handle`)."""
@@ -725,11 +764,13 @@ class NodeServer:
         sums = [p.checksum for p in slots]  # the client checks what it received against these
         if req["shm"]:
             await self._reply(peer, sizes=sizes, offsets=[p.offset for p in slots], read=read.read_id, sums=sums)
+            self.traffic["out"]["local"] += sum(sizes)
             return  # the client copies from the shared arena, then sends done
         try:
             await self._reply(peer, sizes=sizes, sums=sums)
             await peer.conn.send_payloads([self.arena.slot(peer.namespace, p.offset, p.size) for p in slots if p.size],
                                           self.config.op_timeout)
+            self.traffic["out"]["listener"] += sum(sizes)
         finally:
             self.store.end_read(read.read_id)
 
@@ -757,12 +798,12 @@ class NodeServer:
         except BaseException:
             self.store.abort(res.write_id)  # the transport aborted the endpoint first: no late bytes
             raise
-        await self._commit_write(peer, res.write_id)
+        await self._commit_write(peer, res.write_id, "listener")
 
     async def _op_commit(self, peer: _Peer, req: dict[str, Any]) -> None:
-        await self._commit_write(peer, req["write"])
+        await self._commit_write(peer, req["write"], "local")  # the client copied the bytes in itself
 
-    async def _commit_write(self, peer: _Peer, write_id: int) -> None:
+    async def _commit_write(self, peer: _Peer, write_id: int, path: str) -> None:
         """Commit a reservation, checking each declared checksum against its slot first; reply with the counts.
 
         With ``verify_writes`` a block whose bytes in the slot do not hash to
@@ -775,6 +816,8 @@ class NodeServer:
         reserved = len(res.keys) if res is not None and res.owner == peer.conn_owner else 0
         verify = self._slot_matches if self.config.verify_writes else None
         committed = self.store.commit(write_id, peer.conn_owner, verify=verify)
+        blocks = self.store.blocks
+        self.traffic["in"][path] += sum(block.size for key in committed if (block := blocks.get(key)) is not None)
         rejected = reserved - len(committed)
         if rejected:
             log.warning("write %d from %s: %d block(s) did not match their declared checksum; not committed",
@@ -839,6 +882,7 @@ class NodeServer:
             "stuck_connections_reset": self._listener.stuck_connections_reset if self._listener is not None else 0,
             "clients": len(self._client_conns),
             "ops": dict(self.ops),
+            "bytes": {direction: dict(paths) for direction, paths in self.traffic.items()},  # by direction, path
             "errors": dict(self.errors_by_code),
             "counters": vars(store.counters).copy(),
             "cluster": self.presence.stats() if self.presence is not None else None,

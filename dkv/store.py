@@ -290,6 +290,11 @@ class StoreCounters:
     leases_refused: int = 0  # leased lookups refused (NodeBusy): the node held max_leases
     checksum_rejects: int = 0  # reserved blocks not committed: their bytes did not match the declared checksum
     unverified_commits: int = 0  # blocks committed under verification without a declared checksum (old writers)
+    # lookups by block (one key: hash x leaf x shard), by the tier a hit came from: "disk" counts the blocks a
+    # leased lookup brought back from staging or the disk tier; every other hit (unleased ones too) is "host"
+    blocks_hit_host: int = 0
+    blocks_hit_disk: int = 0
+    blocks_missed: int = 0
 
 
 @dataclass
@@ -486,7 +491,9 @@ class Store:
         given back and no lease is granted.
         """
         self.expire()
-        self.counters.lookups += 1
+        counters = self.counters
+        counters.lookups += 1
+        promotions_before = counters.disk_hits
         if owner is not None:
             previous = self._group_lease.get((owner, group))
             if previous is not None:
@@ -505,8 +512,13 @@ class Store:
                 self._unpin_keys(pinned)
                 raise
         hit = sum(m.count(True) for m in masks.values())
-        self.counters.hits += hit
-        self.counters.misses += len(hashes) * len(masks) - hit
+        missed = len(hashes) * len(masks) - hit
+        counters.hits += hit
+        counters.misses += missed
+        from_disk = min(counters.disk_hits - promotions_before, hit * shards)
+        counters.blocks_hit_disk += from_disk
+        counters.blocks_hit_host += hit * shards - from_disk
+        counters.blocks_missed += missed * shards
         return masks, lease
 
     def _pin_present(self, namespace: str, hashes: Sequence[bytes], leaves: Sequence[str], shards: int,
