@@ -477,6 +477,9 @@ def _plug_in_commands() -> None:
     """
     from importlib.metadata import entry_points
 
+    from dkv.cli_router import router_app  # here, not at the top: it imports this module
+
+    app.add_typer(router_app, name="router")
     for entry in entry_points(group="dkv.commands"):
         try:
             command = entry.load()
