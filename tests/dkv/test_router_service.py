@@ -207,10 +207,12 @@ async def test_bad_input_is_a_4xx_json_naming_the_problem_and_the_service_stays_
     cases: list[tuple[Any, int, str]] = [
         ({"namespace": NS, "hashes": [h32, "zz" * 32]}, 422, "hashes[1]: not hex"),
         ({"namespace": NS, "hashes": ["ab" * 7 + " a"]}, 422, "hashes[0]: not hex"),
-        ({"namespace": NS, "hashes": [h8, "abc"]}, 422, "hashes[1]: a hash is 16 or 64 hex digits"),
+        ({"namespace": NS, "hashes": [h8, "abc"]}, 422, "hashes[1]: String should have at least 16 characters"),
+        ({"namespace": NS, "hashes": [h8, "ab" * 33]}, 422, "hashes[1]: String should have at most 64 characters"),
         ({"namespace": NS, "hashes": ["ab" * 12]}, 422, "hashes[0]: a hash is 16 or 64 hex digits"),
         ({"namespace": NS, "hashes": [h8, h32]}, 422, "all hashes of one request are one length"),
-        ({"namespace": NS, "hashes": [h8, 7]}, 422, "hashes.1"),
+        ({"namespace": NS, "hashes": [h8, 7]}, 422, "hashes[1]: Input should be a valid string"),
+        ({"namespace": NS, "hashes": [h32, h8, h8, h8, h8]}, 422, "hashes[1]: 16 hex digits where hashes[0] has 64"),
         ({"namespace": "", "hashes": [h8]}, 422, "namespace"),
         ({"namespace": NS}, 422, "hashes: Field required"),
         ({"namespace": NS, "hashes": [h8], "extra": 1}, 422, "extra"),
@@ -242,9 +244,30 @@ async def test_bad_input_is_a_4xx_json_naming_the_problem_and_the_service_stays_
             ok = await api.post("/v1/route", json={"namespace": NS, "hashes": [h8]})
             assert ok.status_code == 200 and ok.json()["peer"] is None
             metrics = _metrics((await api.get("/metrics")).text)
-            assert metrics['dkv_router_requests_total{code="422",endpoint="/v1/route"}'] == 10
+            assert metrics['dkv_router_requests_total{code="422",endpoint="/v1/route"}'] == 12
             assert metrics['dkv_router_requests_total{code="413",endpoint="/v1/route"}'] == 2
             assert metrics['dkv_router_requests_total{code="400",endpoint="/v1/route"}'] == 3
+
+
+def test_bulk_decoding_gives_the_same_hashes_and_routes_as_one_by_one() -> None:
+    from dkv.router_service import HashRun, decode_hashes
+
+    for size in (8, 32):
+        chain = _chain(9, size)
+        run = decode_hashes(_hex(chain))
+        assert isinstance(run, HashRun) and len(run) == 9
+        assert [run[i] for i in range(9)] == chain and run[-1] == chain[-1] and list(run) == chain
+        assert run[:3] == chain[:3] and run[2:7:2] == chain[2:7:2] and run[-2:] == chain[-2:]
+        assert run[:3] == chain[:3]  # after iterating, from the materialised list too
+        with pytest.raises(IndexError):
+            run[9]
+    assert len(decode_hashes([])) == 0 and list(decode_hashes([])) == []
+    with pytest.raises(Exception, match=r"hashes\[1\]: 64 hex digits where hashes\[0\] has 16"):
+        decode_hashes(["ab" * 8, "ab" * 32, "ab" * 8])
+    with pytest.raises(Exception, match=r"hashes\[0\]: a hash is 16 or 64 hex digits"):
+        decode_hashes(["ab" * 10, "ab" * 10])
+    with pytest.raises(Exception, match=r"hashes\[2\]: not hex"):
+        decode_hashes(["ab" * 8, "ab" * 8, "ab" * 7 + "g0"])
 
 
 # ---- auth, readiness, the API document ------------------------------------------------------------
