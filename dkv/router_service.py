@@ -33,7 +33,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Annotated, Any, overload
 
 from fastapi import FastAPI, Request
@@ -294,7 +294,6 @@ class ServiceState:
 
     load_error: str | None = None
     stopping: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _error(status: int, code: str, detail: str, headers: dict[str, str] | None = None) -> Response:
@@ -510,7 +509,8 @@ def bind(host: str, port: int) -> socket.socket:
         sock.setblocking(False)
     except OSError as exc:
         sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+        shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        raise ConfigError(f"cannot listen on {shown}: {exc.strerror}") from None
     return sock
 
 
