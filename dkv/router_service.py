@@ -38,6 +38,7 @@ from typing import Annotated, Any, overload
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, WithJsonSchema
@@ -413,6 +414,9 @@ def create_app(router: Router, *, token: bytes | None = None, metrics: RouterMet
         except BadRequest as exc:
             code = exc.status
             return _error(exc.status, exc.code, exc.detail)
+        except ClientDisconnect:  # gone before its body arrived: nobody to answer (counted as nginx does, 499)
+            code = 499
+            return Response(status_code=400)
         finally:
             count(endpoint, code)
 

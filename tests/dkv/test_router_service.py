@@ -240,6 +240,19 @@ async def test_bad_input_is_a_4xx_json_naming_the_problem_and_the_service_stays_
             assert response.status_code == 413 and "80000 hashes" in response.json()["detail"], response.text
             assert (await api.get("/v1/route")).status_code == 405
 
+            # a client that goes away halfway through its body: nothing to answer, nothing logged as a crash
+            host, _, port = service.address.rpartition(":")
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), 10)
+            writer.write(b"POST /v1/route HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100000\r\n\r\n{\"namespace\": \"test/ns0\", \"hashes\": [")
+            await asyncio.wait_for(writer.drain(), 10)
+            await asyncio.sleep(0.2)
+            writer.close()
+            await asyncio.wait_for(writer.wait_closed(), 10)
+            await _until(lambda: api.get("/metrics"),
+                         lambda r: 'dkv_router_requests_total{code="499",endpoint="/v1/route"} 1.0' in r.text,
+                         "the disconnect counted")
+
             assert (await api.get("/healthz")).json() == {"status": "ok"}
             ok = await api.post("/v1/route", json={"namespace": NS, "hashes": [h8]})
             assert ok.status_code == 200 and ok.json()["peer"] is None
