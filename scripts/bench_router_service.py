@@ -13,7 +13,10 @@ hit, a half hit and a miss, p50/p99 of:
 * HTTP: ``POST /v1/route`` end to end from a keep-alive httpx client to the
   service running as its own process (``python -m dkv.cli router serve``), body
   pre-encoded: adds the HTTP transfer of the ~0.55 MB body (8 k hashes),
-  uvicorn's h11 parsing, FastAPI's dispatch and the client's own costs.
+  uvicorn's h11 parsing, FastAPI's dispatch and the client's own costs;
+
+and the same three for a batch of 8 requests of 1 k hashes (``POST /v1/route/batch``;
+the ``Router.route`` column is the 8 routes in process).
 
     python scripts/bench_router_service.py [--repeat 300] [--json out.json]
 """
@@ -47,6 +50,7 @@ NS = "bench/ns"
 PREFIX = "/bench-router-service"
 CHAIN = 8192
 SIZES = (1024, 8192)
+BATCH, BATCH_HASHES = 8, 1024  # the batch case: 8 requests of 1 k hashes (8 k in all) in one POST /v1/route/batch
 START_BOUND = 30.0
 
 
@@ -73,13 +77,15 @@ async def seed(client: Any, layout: Layout) -> tuple[list[bytes], int]:
     return chain, lease
 
 
-def cases(chain: list[bytes]) -> dict[str, tuple[list[bytes], int]]:
+def cases(chain: list[bytes]) -> dict[str, tuple[list[list[bytes]], int]]:
+    """Name → (the requests' hashes, the depth each must be routed at)."""
     cold = [os.urandom(32) for _ in range(max(SIZES))]
     out = {}
     for n in SIZES:
-        out[f"{n} full hit"] = (chain[:n], n)
-        out[f"{n} half hit"] = (chain[:n // 2] + cold[:n - n // 2], n // 2)
-        out[f"{n} miss"] = (cold[:n], 0)
+        out[f"{n} full hit"] = ([chain[:n]], n)
+        out[f"{n} half hit"] = ([chain[:n // 2] + cold[:n - n // 2]], n // 2)
+        out[f"{n} miss"] = ([cold[:n]], 0)
+    out[f"batch {BATCH} x {BATCH_HASHES} full hit"] = ([chain[:BATCH_HASHES]] * BATCH, BATCH_HASHES)
     return out
 
 
@@ -123,26 +129,32 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             while (await http.get("/readyz")).status_code != 200:
                 assert time.monotonic() < deadline, "the service never became ready"
                 await asyncio.sleep(0.05)
-            for name, (hashes, depth) in cases(chain).items():
-                body = json.dumps({"namespace": NS, "hashes": [h.hex() for h in hashes]}).encode()
-                headers = {"content-type": "application/json"}
+            headers = {"content-type": "application/json"}
+            for name, (runs, depth) in cases(chain).items():
+                requests = [{"namespace": NS, "hashes": [h.hex() for h in hashes]} for hashes in runs]
+                batched = len(runs) > 1
+                body = json.dumps({"requests": requests} if batched else requests[0]).encode()
+                path, handle = ("/v1/route/batch", handler.batch) if batched else ("/v1/route", handler.route)
                 in_process, handled, end_to_end = [], [], []
                 for i in range(args.repeat + args.warmup):
                     t0 = time.perf_counter()
-                    route = router.route(NS, hashes)
+                    routes = [router.route(NS, hashes) for hashes in runs]
                     t1 = time.perf_counter()
-                    answer = json.loads(handler.route(body))
+                    answer = json.loads(handle(body))
                     t2 = time.perf_counter()
-                    response = await http.post("/v1/route", content=body, headers=headers)
+                    response = await http.post(path, content=body, headers=headers)
                     t3 = time.perf_counter()
                     if i >= args.warmup:
                         in_process.append(t1 - t0)
                         handled.append(t2 - t1)
                         end_to_end.append(t3 - t2)
-                assert route.depth == answer["depth"] == response.json()["depth"] == depth, (name, route.depth)
-                results["cases"][name] = {"hashes": len(hashes), "depth": depth, "body_bytes": len(body),
-                                          "router_route": summary(in_process), "handler": summary(handled),
-                                          "http": summary(end_to_end)}
+                answered = response.json()
+                depths = [r["depth"] for r in (answer["routes"] if batched else [answer])]
+                served = [r["depth"] for r in (answered["routes"] if batched else [answered])]
+                assert [r.depth for r in routes] == depths == served == [depth] * len(runs), (name, depths, served)
+                results["cases"][name] = {"hashes": sum(map(len, runs)), "requests": len(runs), "depth": depth,
+                                          "body_bytes": len(body), "router_route": summary(in_process),
+                                          "handler": summary(handled), "http": summary(end_to_end)}
                 print(f"{name}: done", file=sys.stderr, flush=True)
         await router.stop()
         await client.lease.revoke(lease, timeout=5)
