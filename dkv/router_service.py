@@ -30,6 +30,8 @@ import contextlib
 import hmac
 import json
 import logging
+import os
+import signal
 import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -579,7 +581,31 @@ async def serve(router: Router, sock: socket.socket, *, token: bytes | None, sto
         raise ConfigError(f"the HTTP server failed: {serving.exception()}")
 
 
+async def run(settings: Any, layout: Any, sock: socket.socket, token: bytes | None) -> None:
+    """``dkv router serve``: connect to etcd, serve on ``sock`` until SIGTERM or SIGINT, print the ready line.
+
+    ``settings`` are the :class:`dkv.etcd.EtcdSettings`, ``layout`` the cluster's :class:`dkv.etcd.Layout`.
+    The ready line is one JSON object on stdout: ``{"address": "host:port", "pid": N}``.
+    """
+    from dkv.etcd import make_client
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    client = make_client(settings)
+    try:
+        await client.connect()
+        await serve(Router(client, layout), sock, token=token, stop=stop,
+                    on_ready=lambda address: print(json.dumps({"address": address, "pid": os.getpid()}), flush=True))
+    finally:
+        sock.close()
+        await client.close()
+        print("dkv router stopped", flush=True)
+
+
 __all__ = [
     "BatchAnswer", "BatchRequest", "DEFAULT_ROUTER_PORT", "HashRun", "MAX_BATCH", "MAX_BODY", "MAX_HASHES",
-    "RouteAnswer", "RouteHandler", "RouteRequest", "RouterMetrics", "bind", "check_listen", "create_app", "decode_hashes", "serve",
+    "RouteAnswer", "RouteHandler", "RouteRequest", "RouterMetrics", "bind", "check_listen", "create_app", "decode_hashes", "run",
+    "serve",
 ]
