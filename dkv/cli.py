@@ -494,6 +494,49 @@ async def _async_value(value: Any) -> Any:
     return value
 
 
+# ---- the router service -------------------------------------------------------------------------
+
+router_app = typer.Typer(no_args_is_help=True, add_completion=False,
+                         help="The router service: which peer holds a request's longest cached prefix, over HTTP.")
+app.add_typer(router_app, name="router")
+
+
+@router_app.command("serve")
+@etcd_options
+def router_serve(
+    etcd: EtcdOption,
+    listen: Annotated[str, typer.Option(
+        envvar="DKV_ROUTER_LISTEN",
+        help="HOST:PORT to listen on (port 0 = any free port). Beyond loopback a token is required.")] = "127.0.0.1:7430",
+    cluster: ClusterOption = "default",
+    etcd_prefix: PrefixOption = "/dkv",
+    token_file: Annotated[Optional[Path], typer.Option(
+        help="File holding the cluster token: /v1/* then need 'Authorization: Bearer <token>'. "
+             "DKV_TOKEN also works.")] = None,
+    log_level: LogLevelOption = "INFO",
+    etcd_settings: Any = None,
+) -> None:
+    """Serve POST /v1/route, /v1/route/batch, /healthz, /readyz and /metrics until SIGTERM or SIGINT.
+
+    Prints one JSON line {"address": "host:port", "pid": N} to stdout once serving (dkv.router_service).
+    """
+    setup_logging(log_level)
+    from dkv.etcd import Layout
+    from dkv.router_service import DEFAULT_ROUTER_PORT, bind, check_listen, run
+
+    try:
+        host, port = parse_address(listen, DEFAULT_ROUTER_PORT)
+        token = read_token(token_file)
+        check_listen(host, token)
+        settings = etcd_settings(etcd)
+        layout = Layout(cluster, etcd_prefix)
+        asyncio.run(run(settings, layout, bind(host, port), token))
+    except (DKVError, ValueError) as exc:
+        fail(str(exc))
+
+
+# ---- dkv explain (dkv.cli_explain) -------------------------------------------------------------
+
 from dkv import cli_explain as _cli_explain  # noqa: E402 - `dkv explain`; it imports this module when registering
 
 _cli_explain.register(app)

@@ -153,8 +153,9 @@ class Router:
         self.on_event = on_event
         self._snap = _Snapshot({}, {}, {}, 0)
         self.revision = 0
-        self.resyncs = 0
+        self.resyncs = 0  # snapshot reloads after the watch broke (and :meth:`reload` calls)
         self._synced = asyncio.Event()
+        self._watch_live = False  # a watch stream is open and etcd confirmed it (see :attr:`watch_live`)
         self._task: asyncio.Task[None] | None = None
         # node id -> (its last record, when it stopped being live); replaced whole (loop thread), read anywhere
         self._departed: Mapping[str, tuple[MemberRecord, float]] = MappingProxyType({})
@@ -177,6 +178,7 @@ class Router:
             self._task = asyncio.create_task(self._follow(), name="dkv-router-watch")
 
     async def stop(self) -> None:
+        self._watch_live = False
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -244,15 +246,18 @@ class Router:
                     async for response in responses:
                         if response.compact_revision > 0 or response.canceled:
                             raise _Resync(f"watch compacted at {response.compact_revision}")
+                        self._watch_live = True  # etcd answered this stream (its first answer confirms it)
                         for event in response.events:
                             self._apply(event.type, event.kv.key.decode(), event.kv.value, event.kv.lease)
                         if response.header.revision:
                             self.revision = max(self.revision, response.header.revision)
                 raise _Resync("the watch ended")
             except asyncio.CancelledError:
+                self._watch_live = False
                 raise
             except Exception as exc:  # noqa: BLE001 - reload and carry on
                 log.info("router watch interrupted (%s); reloading the snapshot", exc)
+            self._watch_live = False
             delay = RESYNC_DELAY
             while True:
                 await asyncio.sleep(delay)
@@ -323,6 +328,26 @@ class Router:
             self.on_event(event)
 
     # ---- queries (any thread: each takes one snapshot and answers from it) ---------------------
+
+    @property
+    def loaded(self) -> bool:
+        """Whether a snapshot has been loaded (the index answers from it from then on, etcd or not)."""
+        return self._synced.is_set()
+
+    @property
+    def watch_live(self) -> bool:
+        """Whether a watch stream is open and etcd confirmed it: the index is following changes now.
+
+        False before :meth:`start` (and with ``follow=False``), from the moment a
+        watch breaks (etcd away, a compaction) until a reloaded snapshot's new
+        watch is confirmed, and after :meth:`stop`.
+        """
+        return self._watch_live
+
+    @property
+    def ready(self) -> bool:
+        """A snapshot is loaded and the watch is live: answers reflect the cluster as etcd sees it now."""
+        return self._synced.is_set() and self._watch_live
 
     @property
     def members(self) -> Mapping[str, MemberRecord]:
