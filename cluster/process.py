@@ -9,6 +9,7 @@ by name.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 READY_TIMEOUT = 30.0
 STOP_TIMEOUT = 10.0
@@ -72,17 +74,25 @@ class NodeProcess:
 
     def stop(self, timeout: float = STOP_TIMEOUT) -> int | None:
         """SIGTERM, wait, SIGKILL if needed; then remove anything left in /dev/shm. Returns the exit code."""
-        if self.alive():
-            os.kill(self.pid, signal.SIGCONT)  # a paused node cannot handle SIGTERM
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(STOP_TIMEOUT)
+        stop_process(self.proc, timeout)
         if self.ready.get("shm"):
             Path("/dev/shm", str(self.ready["shm"])).unlink(missing_ok=True)
         return self.proc.returncode
+
+
+def stop_process(proc: subprocess.Popen[Any], timeout: float = STOP_TIMEOUT) -> int | None:
+    """Stop a process this one started, by its PID: SIGCONT (a paused one cannot act on SIGTERM), SIGTERM,
+    wait up to ``timeout``, then SIGKILL. It is gone when this returns; its exit status (``None``: unknown)."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
+            os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(STOP_TIMEOUT)
+    return proc.returncode
 
 
 def start_node(

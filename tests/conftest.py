@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from cluster.etcd_process import EtcdProcess, start_etcd
-from cluster.process import NodeProcess, start_node
+from cluster.process import NodeProcess, start_node, stop_process
 from dkv.client import NodeClient
 from dkv.server import ADMIN_NAMESPACE
 from dkv.loop_thread import LoopThread, acquire_shared_loop, release_shared_loop
@@ -208,12 +208,7 @@ def run_impostor(workdir: Path, block_size: int, node_id: str = "evil") -> Itera
             time.sleep(0.05)
         yield json.loads(ready.read_text())
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_process(proc)
 
 
 @pytest.fixture

@@ -38,6 +38,7 @@ import pytest
 import yaml
 
 from cluster.local import METRICS_PORT, NODE_PORT_BASE, ROUTER_PORT, topology
+from cluster.process import stop_process
 from dkv.units import parse_address, parse_size
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -647,11 +648,6 @@ async def test_the_router_deployments_command_serves_routes_once_ready(etcd: Any
                                          headers={"Authorization": f"Bearer {env['DKV_TOKEN']}"})
             assert authorized.status_code == 200 and authorized.json()["peer"] is None
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(15)
+        stop_process(proc, 15)
         if proc.stdout is not None:
             proc.stdout.close()
