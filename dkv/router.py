@@ -388,14 +388,43 @@ class Router:
         holders = snap.index.get(namespace, {}).get(block_hash, _NOBODY)
         return {h for h in holders if h in members}
 
-    def route(self, namespace: str, hashes: Sequence[bytes], *, exclude: Sequence[str] = ()) -> Route:
+    def route(self, namespace: str, hashes: Sequence[bytes], *, exclude: Sequence[str] = (),
+              requester: str | None = None) -> Route:
         """The live peer holding the longest prefix of ``hashes`` (see module docstring).
+
+        ``requester`` is the node co-located with the engine that asks, where
+        the caller knows it: that engine's connector already looks up its own
+        node, so a hint naming it, or naming a peer no deeper than it, adds
+        nothing. With a requester the answer is the peer other than it whose
+        serving prefix (:meth:`held_prefix`: from the root up to a hole in its
+        chain) is deepest, with that prefix as the depth, and no peer (depth
+        0, no hint) when none is deeper than the requester's own.
 
         Cost: a full hit is one lookup; a request whose first ``k`` hashes
         nobody announced (``k`` = the largest ``publish_every`` among members)
         is ``k`` lookups, since every run announces one of its first ``k``
-        blocks; anything else is one C-speed pass over the hashes.
+        blocks; anything else is one C-speed pass over the hashes. With a
+        requester: one pass from the root, checking each node that announced
+        one of the first ``k`` hashes until its chain ends.
         """
+        if requester is None:
+            return self._route(namespace, hashes, exclude)
+        snap = self._snap
+        by_hash = snap.index.get(namespace)
+        if not by_hash or not hashes:
+            return Route(None, 0, namespace, hashes)
+        members = snap.members
+        early = set().union(*(by_hash.get(h, _NOBODY) for h in hashes[:snap.max_every]))
+        candidates = {n for n in early if n in members and (n == requester or n not in exclude)}
+        held = _held_prefixes(by_hash, hashes, {n: members[n].publish_every for n in candidates})
+        own = held.pop(requester, 0)
+        # the deepest serving prefix; ties to the least used peer, then the smallest node id
+        best = min(held.items(), key=lambda item: (-item[1], members[item[0]].host_used, item[0]), default=None)
+        if best is None or best[1] <= own:
+            return Route(None, 0, namespace, hashes)
+        return Route(members[best[0]], best[1], namespace, hashes)
+
+    def _route(self, namespace: str, hashes: Sequence[bytes], exclude: Sequence[str]) -> Route:
         snap = self._snap
         by_hash = snap.index.get(namespace)
         n = len(hashes)
@@ -421,6 +450,21 @@ class Router:
                 return Route(best, n - j, namespace, hashes)
             start = j + 1
 
+    def held_prefix(self, node_id: str, namespace: str, hashes: Sequence[bytes]) -> int:
+        """How many leading ``hashes`` ``node_id`` can serve, by what it announced (0 if it is not live).
+
+        Unlike :meth:`depth_of` this stops at a hole: a node holds the blocks its engine computed, not
+        those it loaded from a peer, so its chain may miss a stretch in the middle, and a lookup serves
+        only the prefix before it. Walking from the root, a gap of ``publish_every`` unannounced
+        hashes in a row (more than any of its runs leaves between announcements) ends the prefix.
+        """
+        snap = self._snap
+        by_hash = snap.index.get(namespace)
+        member = snap.members.get(node_id)
+        if not by_hash or member is None:
+            return 0
+        return _held_prefixes(by_hash, hashes, {node_id: member.publish_every})[node_id]
+
     def depth_of(self, node_id: str, namespace: str, hashes: Sequence[bytes]) -> int:
         """How deep a prefix of ``hashes`` ``node_id`` announced (0 if none, or if it is not live)."""
         snap = self._snap
@@ -432,6 +476,28 @@ class Router:
             if holders and node_id in holders:
                 return i + 1
         return 0
+
+
+def _held_prefixes(by_hash: dict[bytes, Holders], hashes: Sequence[bytes], every: dict[str, int]) -> dict[str, int]:
+    """For each node of ``every`` (node id -> its ``publish_every``), how many leading ``hashes`` it can
+    serve: one pass from the root, a node dropping out at its first gap of ``publish_every`` unannounced
+    hashes in a row (see :meth:`Router.held_prefix`)."""
+    depth = dict.fromkeys(every, 0)
+    walking = {node: [0, max(1, n)] for node, n in every.items()}  # node -> [gap so far, gap that ends it]
+    for i, block_hash in enumerate(hashes):
+        if not walking:
+            break
+        holders = by_hash.get(block_hash, _NOBODY)
+        for node in list(walking):
+            state = walking[node]
+            if node in holders:
+                depth[node] = i + 1
+                state[0] = 0
+            else:
+                state[0] += 1
+                if state[0] >= state[1]:
+                    del walking[node]
+    return depth
 
 
 def _best_holder(holders: Holders | None, exclude: Sequence[str],

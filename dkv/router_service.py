@@ -7,7 +7,7 @@ from memory; etcd is never asked on a request's path.
 
 API (the OpenAPI document at ``/openapi.json`` is generated from the models below):
 
-- ``POST /v1/route`` ``{"namespace", "hashes": [hex, ...] (root first), "exclude"?}``
+- ``POST /v1/route`` ``{"namespace", "hashes": [hex, ...] (root first), "exclude"?, "requester"?}``
   → ``{"peer": {"node_id", "address", "epoch"} | null, "depth", "hint"}``
 - ``POST /v1/route/batch`` ``{"requests": [<route body>, ...]}`` → ``{"routes": [<answer>, ...]}``
 - ``GET /healthz`` (the process serves), ``GET /readyz`` (snapshot loaded and watch live),
@@ -89,6 +89,11 @@ class RouteRequest(BaseModel):
                     f"(at most {MAX_HASHES}; more is answered 413).")
     exclude: list[str] = Field(default_factory=list, max_length=MAX_EXCLUDE,
                                description="Node ids not to route to (say, one that just failed this request).")
+    requester: str | None = Field(
+        default=None, max_length=256,
+        description="The node id co-located with the engine the request goes to, where the gateway knows it: "
+                    "the answer then names a peer only if it holds more than that node (the engine's own "
+                    "connector already asks it), else no peer.")
 
 
 class BatchRequest(BaseModel):
@@ -339,7 +344,8 @@ class RouteHandler:
             namespace = check_namespace(body.namespace)
         except ValueError as exc:
             raise BadRequest(422, "invalid_request", f"namespace: {exc}") from None
-        return self.router.route(namespace, decode_hashes(body.hashes), exclude=body.exclude)
+        return self.router.route(namespace, decode_hashes(body.hashes), exclude=body.exclude,
+                                 requester=body.requester)
 
     def _observe(self, route: Route) -> dict[str, Any]:
         if self.metrics is not None:

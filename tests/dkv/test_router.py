@@ -95,6 +95,15 @@ async def test_route_picks_the_longest_prefix_and_fails_over_when_that_peer_leav
         assert (_peer(excluded), excluded.depth) == ("node-c", 3)
         nobody = router.route(NS, _chain(4))
         assert (nobody.peer, nobody.depth, nobody.hint) == (None, 0, None)
+        # with the asking engine's own node named, only a peer holding more than that node is named
+        for requester, expected in (("node-a", ("node-b", 5)), ("node-c", ("node-b", 5)),
+                                    ("nobody", ("node-b", 5)), ("node-b", (None, 0))):
+            asked = router.route(NS, hashes, requester=requester)
+            assert (_peer(asked), asked.depth) == expected, requester
+        assert router.route(NS, hashes, requester="node-b").hint is None
+        # node-b holds as much of the first three as node-c does: for node-c, nobody is deeper
+        assert router.route(NS, hashes[:3], requester="node-c").peer is None
+        assert (_peer(r := router.route(NS, hashes, requester="node-a", exclude=["node-b"])), r.depth) == ("node-c", 3)
         assert router.route("other/ns", hashes).peer is None
         assert router.route(NS, []).peer is None
 
@@ -171,6 +180,28 @@ async def test_a_deeper_peer_wins_over_a_less_used_one(etcd, node_factory, clien
         assert (_peer(route), route.depth) == ("busy", 4)
         route = router.route(NS, hashes[:3])
         assert (_peer(route), route.depth) == ("idle", 3)
+
+
+async def test_a_requesters_own_chain_with_a_hole_does_not_hide_a_deeper_peer(etcd, node_factory, clients) -> None:
+    # an engine's node holds the blocks its engine computed, not those it loaded from a peer: here
+    # blocks 2 and 3 of its chain were loaded, so its node can serve 2 blocks although it announced block 6
+    hashes = _chain(6)
+    async with _router(etcd.url, etcd.prefix) as router:
+        own = node_factory(*etcd.node_args("own"))
+        peer = node_factory(*etcd.node_args("peer"))
+        await _write(clients(own.address), hashes[:2] + hashes[4:])
+        await _write(clients(peer.address), hashes[:4])
+        await _until(router, lambda r: r.entries == 4 + 4 and set(r.members) == {"own", "peer"}, "eight entries")
+        assert router.depth_of("own", NS, hashes) == 6
+        assert router.held_prefix("own", NS, hashes) == 2
+        assert router.held_prefix("peer", NS, hashes) == 4
+        assert router.held_prefix("nobody", NS, hashes) == 0
+        route = router.route(NS, hashes, requester="own")
+        assert (_peer(route), route.depth) == ("peer", 4)
+        assert parse_hint(route.hint).deepest_hash == hashes[3]
+        # asked for the peer's engine, own's deepest announced block (6) is no prefix beyond the peer's 4
+        assert router.route(NS, hashes, requester="peer").peer is None
+        assert (_peer(r := router.route(NS, hashes)), r.depth) == ("own", 6)  # without a requester: the deepest hash
 
 
 # ---- failures -----------------------------------------------------------------------------------

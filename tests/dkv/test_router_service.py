@@ -166,6 +166,11 @@ async def test_route_names_the_live_peer_with_the_longest_prefix_and_a_hint_for_
             excluded = await route({"namespace": NS, "hashes": _hex(hashes), "exclude": ["node-b"]})
             assert (excluded["peer"]["node_id"], excluded["depth"]) == ("node-a", 2)
             assert parse_hint(excluded["hint"]).deepest_hash == hashes[1]
+            # the engine's own node named: only a peer holding more than it is routed to
+            assert (await route({"namespace": NS, "hashes": _hex(hashes), "requester": "node-a"}))["peer"][
+                "node_id"] == "node-b"
+            assert await route({"namespace": NS, "hashes": _hex(hashes), "requester": "node-b"}) == {
+                "peer": None, "depth": 0, "hint": None}
             eight = await _until(lambda: route({"namespace": NS, "hashes": _hex(short)}),
                                  lambda r: r["depth"] == 3, "node-a's 8-byte hashes routed")
             assert eight["peer"]["node_id"] == "node-a"
