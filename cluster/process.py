@@ -80,6 +80,21 @@ class NodeProcess:
         return self.proc.returncode
 
 
+def die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent dies (kept across exec: usable as a preexec_fn).
+
+    If the parent already died before that took effect, exit at once.
+    """
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:
+        os._exit(1)
+
+
 def stop_process(proc: subprocess.Popen[Any], timeout: float = STOP_TIMEOUT) -> int | None:
     """Stop a process this one started, by its PID: SIGCONT (a paused one cannot act on SIGTERM), SIGTERM,
     wait up to ``timeout``, then SIGKILL. It is gone when this returns; its exit status (``None``: unknown)."""

@@ -6,6 +6,8 @@ import os
 import platform
 from typing import Any
 
+from cluster.process import die_with_parent  # noqa: F401 - the benchmark and the soak import it from here
+
 
 def machine_info() -> dict[str, Any]:
     """What a benchmark ran on: CPUs, memory, versions, UCX settings, load average at the end."""
@@ -44,19 +46,3 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
-
-
-def die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent dies (kept across exec: usable as a preexec_fn).
-
-    If the parent already died before that took effect, exit at once.
-    """
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() == 1:
-        os._exit(1)

@@ -68,7 +68,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `cluster` lives at the repository root
     sys.path.insert(0, str(ROOT))
 
-from bench_common import machine_info  # noqa: E402
+from bench_common import die_with_parent, machine_info  # noqa: E402
 from dkv.errors import DKVError, ProtocolError  # noqa: E402
 from dkv.transport import Connection, Listener, connect, init_transport, stop_progress  # noqa: E402
 from dkv.units import format_size, parse_size  # noqa: E402
@@ -147,7 +147,7 @@ async def _raw_server(portfile: Path) -> None:
     ``c2s`` answers ``ready``, receives N messages of S bytes into preallocated buffers
     (all recvs posted at once) and answers a framed ack; ``s2c`` sends those same buffers back.
     """
-    _die_with_parent()
+    die_with_parent()
     init_transport()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -213,17 +213,6 @@ async def _raw_server(portfile: Path) -> None:
         if handlers:
             await asyncio.wait(list(handlers), timeout=5.0)
         await stop_progress()
-
-
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent dies (it may be SIGSTOPped then, deaf to all else)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 class RawChild:
