@@ -81,15 +81,19 @@ def demo(
     out: Annotated[Path, typer.Option(help="Where the JSON report and the PNG chart go.")] = Path("dkv-demo-out"),
     etcd: Annotated[Optional[str], typer.Option(help="Run against an existing cluster instead of starting one.")] = None,
     cluster: Annotated[str, typer.Option(help="Cluster name (with --etcd).")] = "default",
-    conversations: Annotated[int, typer.Option(help="Conversations in the workload.")] = 12,
-    turns: Annotated[int, typer.Option(help="Turns per conversation.")] = 4,
+    conversations: Annotated[Optional[int], typer.Option(help="Conversations in the workload (default 24; 6 with --small).")] = None,
+    turns: Annotated[Optional[int], typer.Option(help="Turns per conversation (default 4; 3 with --small).")] = None,
     small: Annotated[bool, typer.Option(help="A small model and workload (tests, CI).")] = False,
 ) -> None:
-    """The main job: three engines on a local 3-node cluster, with dKV on and off, compared."""
+    """The main job: the same chat workload with no prefix caching, with the engines' own device caches,
+    and with device caches plus dKV, on a local 3-node cluster; compared by time to first token."""
     from cluster.demo import DemoConfig, run_demo
 
     config = DemoConfig.small() if small else DemoConfig()
-    config.conversations = conversations if not small else min(conversations, config.conversations)
-    config.turns = turns if not small else min(turns, config.turns)
+    for name, value in (("conversations", conversations), ("turns", turns)):
+        if value is not None:
+            if value < 1:
+                _fail(f"--{name} must be at least 1")
+            setattr(config, name, value)
     report = run_demo(config, out, etcd=etcd, cluster=cluster)
     raise typer.Exit(0 if report["bit_exact"] else 1)

@@ -342,6 +342,12 @@ class Engine:
         self._step()
         return not self._pending
 
+    def poll(self) -> int:
+        """One step while idle, as a serving loop's between requests: let the connector reclaim and
+        unpin the offloads that landed. Returns how many are still in flight."""
+        self._step()
+        return len(self._pending)
+
     def reset_device_cache(self) -> None:
         """Forget the device prefix cache on every replica (held and pinned pages stay until released)."""
         for rep in self.replicas:

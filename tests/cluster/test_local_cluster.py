@@ -56,18 +56,39 @@ def test_second_up_in_the_same_directory_is_refused(tmp_path: Path) -> None:
         assert _dkv("cluster", "down", "--dir", str(directory)).returncode == 0
 
 
-def test_demo_serves_peer_hits_bit_exact_and_cleans_up(tmp_path: Path) -> None:
+def test_demo_compares_three_configurations_bit_exact_and_cleans_up(tmp_path: Path) -> None:
     shm_before = set(os.listdir("/dev/shm"))
     result = _dkv("demo", "--small", "--out", str(tmp_path / "out"), timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "report.json").read_text())
+    per = report["configurations"]
+    assert set(per) == {"recompute", "device", "dkv"}
     assert report["bit_exact"] is True
-    assert report["peer_hits"] > 0 and report["peer_hit_blocks"] > 0
-    assert report["requests"] == len(report["requests_detail"]) > 0
+    requests = per["recompute"]["requests"]
+    assert requests == 6 * 3 and all(p["requests"] == requests for p in per.values())
+    assert report["requests"] == len(report["requests_detail"]) == 3 * requests
+    # every continuation of the two caching configurations was compared with the recompute reference
+    assert per["device"]["bit_exact_checked"] == per["dkv"]["bit_exact_checked"] == requests
+    assert per["device"]["bit_exact"] is per["dkv"]["bit_exact"] is True
+    # the reference recomputes everything; the baseline has its device caches and nothing else
+    assert per["recompute"]["computed_blocks"] == per["recompute"]["prompt_blocks"]
+    assert per["device"]["device_hit_blocks"] > 0
+    assert per["device"]["local_hit_blocks"] == per["device"]["peer_hit_blocks"] == per["device"]["bytes_loaded"] == 0
+    # with dKV, blocks come from peers through hints, and every hint has an outcome
+    dkv = per["dkv"]
+    assert dkv["peer_hit_blocks"] > 0 and dkv["peer_hits"] > 0 and dkv["bytes_loaded"] > 0
+    assert dkv["computed_blocks"] < per["device"]["computed_blocks"]
+    assert sum(dkv["hints"].values()) == requests and dkv["hints"].get("used", 0) > 0
+    for p in per.values():
+        assert (p["device_hit_blocks"] + p["local_hit_blocks"] + p["peer_hit_blocks"] + p["computed_blocks"]
+                == p["prompt_blocks"])
+        assert 0 < p["ttft_p50_ms"] <= p["ttft_p99_ms"]
     assert (tmp_path / "out" / "chart.png").stat().st_size > 1000
     assert "every loaded continuation bit-exact" in result.stdout
     left = {n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("dkv-node-")}
     assert left == set(), "the demo's cluster must be torn down"
+    assert len(report["engine_pids"]) == 3
+    assert not [p for p in report["engine_pids"] if _pid_alive(p)], "the demo's engine processes must be gone"
 
 
 @pytest.mark.parametrize("missing", ["etcd"])
