@@ -80,6 +80,15 @@ class NodeProcess:
         return self.proc.returncode
 
 
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as gone: it runs nothing and holds nothing but its entry)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def die_with_parent() -> None:
     """Linux: SIGKILL this process when its parent dies (kept across exec: usable as a preexec_fn).
 

@@ -6,7 +6,7 @@ import os
 import platform
 from typing import Any
 
-from cluster.process import die_with_parent  # noqa: F401 - the benchmark and the soak import it from here
+from cluster.process import die_with_parent, pid_alive  # noqa: F401 - the benchmark and the soak import them from here
 
 
 def machine_info() -> dict[str, Any]:
@@ -37,12 +37,3 @@ def machine_info() -> dict[str, Any]:
     except (OSError, ValueError, IndexError):
         pass
     return info
-
-
-def pid_alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False

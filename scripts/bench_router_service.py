@@ -28,7 +28,6 @@ import asyncio
 import json
 import os
 import platform
-import signal
 import subprocess
 import sys
 import time
@@ -40,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 
 from cluster.etcd_process import start_etcd  # noqa: E402
+from cluster.process import stop_process  # noqa: E402
 from dkv.etcd import Layout, MemberRecord, make_client  # noqa: E402
 from dkv.publisher import DirectoryPublisher  # noqa: E402
 from dkv.router import Router  # noqa: E402
@@ -101,13 +101,7 @@ def start_service(url: str) -> tuple[subprocess.Popen[str], str]:
 
 
 def stop_service(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+    stop_process(proc, 15)
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:

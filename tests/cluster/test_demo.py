@@ -15,15 +15,8 @@ import pytest
 
 from cluster.demo import DemoConfig, plan_workload
 from cluster.demo_report import RequestRecord, summarize
+from cluster.process import pid_alive
 from connector.engine.model import ModelConfig
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def test_the_workload_plan_is_the_same_for_a_seed_balanced_per_turn_and_moves_conversations() -> None:
@@ -170,6 +163,6 @@ def test_a_demo_stopped_mid_run_stops_its_engines_nodes_and_etcd(tmp_path: Path)
         if demo.poll() is None:
             demo.kill()
             demo.wait(10)
-    left = [p for p in started if _alive(p)]
+    left = [p for p in started if pid_alive(p)]
     assert left == [], [_cmdline(p) for p in left]
     assert not (tmp_path / "out" / "report.json").exists()

@@ -10,17 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from cluster.process import pid_alive
+
 
 def _dkv(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "dkv.cli", *args], capture_output=True, text=True, timeout=timeout)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
 def test_cluster_up_status_down_leaves_nothing_behind(tmp_path: Path) -> None:
@@ -39,7 +33,7 @@ def test_cluster_up_status_down_leaves_nothing_behind(tmp_path: Path) -> None:
     finally:
         down = _dkv("cluster", "down", "--dir", str(directory))
     assert down.returncode == 0, down.stderr
-    assert not [p for p in pids if _pid_alive(p)], "every recorded process must be gone"
+    assert not [p for p in pids if pid_alive(p)], "every recorded process must be gone"
     assert set(os.listdir("/dev/shm")) - shm_before == set(), "no shared-memory segment left"
     assert sorted(p.name for p in directory.iterdir()) == ["etcd.log", "node-0.log", "node-1.log", "node-2.log"]
     again = _dkv("cluster", "status", "--dir", str(directory))
@@ -88,7 +82,7 @@ def test_demo_compares_three_configurations_bit_exact_and_cleans_up(tmp_path: Pa
     left = {n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("dkv-node-")}
     assert left == set(), "the demo's cluster must be torn down"
     assert len(report["engine_pids"]) == 3
-    assert not [p for p in report["engine_pids"] if _pid_alive(p)], "the demo's engine processes must be gone"
+    assert not [p for p in report["engine_pids"] if pid_alive(p)], "the demo's engine processes must be gone"
 
 
 @pytest.mark.parametrize("missing", ["etcd"])

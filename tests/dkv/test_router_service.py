@@ -12,7 +12,6 @@ import asyncio
 import json
 import os
 import selectors
-import signal
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ import httpx
 import pytest
 
 from cluster.etcd_process import EtcdProcess, free_port, start_etcd
+from cluster.process import stop_process
 from dkv.hints import parse_hint
 from dkv.keys import BlockKey
 
@@ -60,13 +60,7 @@ def _start(args: Sequence[str], log: Path, env: dict[str, str] | None = None) ->
 
 def _stop(proc: subprocess.Popen[str]) -> int:
     """SIGTERM by PID, bounded; SIGKILL if it does not end. Returns the exit status."""
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+    stop_process(proc, 15)
     if proc.stdout is not None:
         proc.stdout.close()
     return proc.returncode

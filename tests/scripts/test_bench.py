@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from cluster.process import pid_alive
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "bench.py"
 
@@ -22,14 +24,6 @@ LATENCY = ("tcp_ping", "ucx_ping", "redis_exists_256", "redis_exists_4096", "dkv
 
 def _positive(value: object, what: str) -> None:
     assert isinstance(value, float) and math.isfinite(value) and value > 0, f"{what} = {value!r}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 @pytest.mark.timeout(150)
@@ -79,5 +73,5 @@ def test_bench_smoke(tmp_path: Path) -> None:
     started = [pids["etcd"], pids["redis"], pids["helper"], *pids["nodes"].values(), *pids["engines"]]
     assert len(started) == 9 and all(isinstance(p, int) for p in started)
     assert doc["pids_left"] == []
-    assert not [p for p in started if _alive(p)], "processes the benchmark started are still running"
+    assert not [p for p in started if pid_alive(p)], "processes the benchmark started are still running"
     assert "dKV load, same-host" in proc.stdout  # the table was printed

@@ -10,16 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from cluster.process import pid_alive
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "soak.py"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 @pytest.mark.timeout(170)
@@ -59,4 +53,4 @@ def test_a_one_minute_soak_with_node_kills_and_an_etcd_restart_loads_only_right_
     started = [*doc["pids"]["etcd"], *doc["pids"]["nodes"], *doc["pids"]["workers"]]
     assert len(doc["pids"]["workers"]) == 3 and len(doc["pids"]["nodes"]) >= 4 and len(doc["pids"]["etcd"]) >= 2
     assert doc["pids_left"] == []
-    assert not [p for p in started if _alive(p)], "processes the soak started are still running"
+    assert not [p for p in started if pid_alive(p)], "processes the soak started are still running"
