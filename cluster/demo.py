@@ -313,7 +313,8 @@ def _engine_settings(config: DemoConfig, *, prefix_caching: bool,
 
 
 @contextlib.contextmanager
-def _router(etcd_url: str, cluster: str):
+def _router(etcd_url: str, cluster: str, *, follow: bool = True):
+    """A router over the cluster's directory on the shared UCX loop (following its watch, or a snapshot)."""
     ucx = acquire_shared_loop()
     router: Router | None = None
     client = None
@@ -322,7 +323,11 @@ def _router(etcd_url: str, cluster: str):
             c = make_client(etcd_url)
             await c.connect()
             r = Router(c, Layout(cluster))
-            await r.start()
+            try:
+                await r.start(follow=follow)
+            except BaseException:
+                await c.close()
+                raise
             return c, r
 
         client, router = ucx.run(start(), 30)
@@ -428,17 +433,5 @@ def _raise_interrupt(*_: Any) -> None:
 
 
 def _members(etcd: str, cluster: str) -> list[tuple[str, str]]:
-    ucx = acquire_shared_loop()
-    try:
-        async def read() -> list[tuple[str, str]]:
-            client = make_client(etcd)
-            await client.connect()
-            try:
-                r = Router(client, Layout(cluster))
-                await r.start(follow=False)
-                return sorted((m.node_id, m.address) for m in r.members.values())
-            finally:
-                await client.close()
-        return ucx.run(read(), 30)
-    finally:
-        release_shared_loop()
+    with _router(etcd, cluster, follow=False) as router:
+        return sorted((m.node_id, m.address) for m in router.members.values())
