@@ -147,11 +147,11 @@ def chart(records: dict[str, list[RequestRecord]], turns: int, path: Path) -> No
         for field, source in SOURCES:
             values = np.asarray([sum(getattr(r, field) for r in records.get(name, ()) if r.turn == t) for t in turns])
             bars.bar([t + offset for t in turns], values, width=width, bottom=bottom, color=colors[source],
-                     hatch=hatch, edgecolor="white", label=source if name == "dkv" else None)
+                     hatch=hatch, edgecolor="white", label=source if name == "device" else None)
             bottom += values
     bars.set_xticks(turns, [f"turn {t + 1}\nbase | dKV" for t in turns])
     bars.set_ylabel("prompt blocks (all conversations)")
-    bars.set_title("Where each prompt block came from")
+    bars.set_title("Where each prompt block came from (hatched: with dKV)")
     bars.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
