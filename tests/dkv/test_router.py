@@ -402,3 +402,34 @@ def test_a_member_that_left_or_registered_again_stays_recently_live_for_a_bounde
     assert router.recently_live("b", first.epoch) is None, "one record per node: the latest departure"
     now[0] += MEMBER_GRACE
     assert router.recently_live("b", again.epoch) is None, "past the grace nothing is vouched for"
+
+
+def test_serving_prefixes_stop_at_the_first_gap_of_publish_every_unannounced_hashes() -> None:
+    import random
+
+    from dkv.router import _held_prefixes
+
+    def walk(by_hash, hashes, every):  # the definition, hash by hash
+        out = {}
+        for node, k in every.items():
+            depth = gap = 0
+            for i, h in enumerate(hashes):
+                if node in by_hash.get(h, frozenset()):
+                    depth, gap = i + 1, 0
+                else:
+                    gap += 1
+                    if gap >= k:
+                        break
+            out[node] = depth
+        return out
+
+    hashes = [bytes([i]) for i in range(6)]
+    by_hash = {h: frozenset({"a"}) for h in hashes[:2] + hashes[3:]}  # a misses block 2
+    assert _held_prefixes(by_hash, hashes, {"a": 1}) == {"a": 2}
+    assert _held_prefixes(by_hash, hashes, {"a": 2}) == {"a": 6}  # a gap shorter than its publish_every
+    rng = random.Random(7)
+    for _ in range(2000):
+        hashes = [bytes([i]) for i in range(rng.randrange(20))]
+        by_hash = {h: frozenset(n for n in "abc" if rng.random() < 0.7) for h in hashes if rng.random() < 0.9}
+        every = {n: rng.randrange(1, 4) for n in "abc" if rng.random() < 0.8}
+        assert _held_prefixes(by_hash, hashes, every) == walk(by_hash, hashes, every), (by_hash, hashes, every)
