@@ -685,8 +685,7 @@ class NodeServer:
         for lease_id in lease_ids:
             lease = store.leases.get(lease_id)
             if lease is not None and lease.owner == owner:
-                blocks = store.blocks
-                moved += sum(block.size for key in lease.keys if (block := blocks.get(key)) is not None)
+                moved += sum(block.size for block in lease.blocks)
             ended += store.end_used_lease(lease_id, owner)
         self.traffic["out"]["local"] += moved
         return ended

@@ -125,12 +125,28 @@ class Block:
 
 @dataclass(slots=True)
 class Lease:
+    """What a leased lookup pins: each block once (a repeated hash twice), in the order it was found.
+
+    A pinned block stays indexed until its last pin goes (eviction, ``clear``
+    and the disk tier all skip pinned blocks), so the lease holds the block
+    objects themselves and ends without looking a key up.
+    """
+
     lease_id: int
     owner: str
     group: int
-    keys: dict[StoreKey, int]  # key -> depth in the looked-up run
+    blocks: list[Block]  # the pinned blocks
+    depths: list[int]  # each one's depth in the looked-up run
     expires_at: float
     tenant: str = ""  # the credential of the client that looked up (its lease quota pays for it)
+    _keys: dict[StoreKey, int] | None = None
+
+    @property
+    def keys(self) -> dict[StoreKey, int]:
+        """key -> depth in the looked-up run (built on first use: a same-host load never needs it)."""
+        if self._keys is None:
+            self._keys = {block.key: depth for block, depth in zip(self.blocks, self.depths)}
+        return self._keys
 
 
 @dataclass(slots=True)
@@ -502,14 +518,15 @@ class Store:
         if owner is None:
             masks = self.presence(namespace, hashes, leaves, shards)
         else:
-            pinned: dict[StoreKey, int] = {}
+            held: list[Block] = []
+            depths: list[int] = []
             try:
-                masks = self._pin_present(namespace, hashes, leaves, shards, pinned, promoted, slots)
-                lease = self._grant(owner, group, pinned, tenant) if pinned else None  # nothing found: nothing to hold
+                masks = self._pin_present(namespace, hashes, leaves, shards, held, depths, promoted, slots)
+                lease = self._grant(owner, group, held, depths, tenant) if held else None  # nothing found: nothing to hold
                 if slots is not None and lease is not None and shards != 1:
                     slots.update(self.lease_slots(lease, namespace, hashes, leaves, shards))
             except BaseException:
-                self._unpin_keys(pinned)
+                self._unpin_blocks(held)
                 raise
         hit = sum(m.count(True) for m in masks.values())
         missed = len(hashes) * len(masks) - hit
@@ -522,54 +539,82 @@ class Store:
         return masks, lease
 
     def _pin_present(self, namespace: str, hashes: Sequence[bytes], leaves: Sequence[str], shards: int,
-                     pinned: dict[StoreKey, int], promoted: Mapping[StoreKey, Promoted] | None,
+                     held: list[Block], depths: list[int], promoted: Mapping[StoreKey, Promoted] | None,
                      slots: dict[str, tuple[list[int], list[int], list[bytes]]] | None = None) -> dict[str, list[bool]]:
-        """Per leaf, the mask of hashes whose every shard is held and now pinned on the host tier (into ``pinned``).
+        """Per leaf, the mask of hashes whose every shard is held and now pinned on the host tier.
 
-        One pass per key (the lookup's hot path): present blocks are pinned as
-        they are found, spilled ones promoted first (a block that cannot be
-        brought back is reported absent). With one shard, ``slots`` (when
-        given) gets each leaf's slot map in the same pass (see :meth:`lease_slots`).
+        Each pinned block goes into ``held`` (its depth into ``depths``) as it
+        is pinned, so a caller can give the pins back if this raises midway.
+        One pass per key (the lookup's hot path): the blocks are fetched in
+        one comprehension, spilled ones promoted first (a block that cannot be
+        brought back is reported absent; a promotion can evict blocks not yet
+        pinned, so after one the rest are fetched afresh). With one shard,
+        ``slots`` (when given) gets each leaf's slot map in the same pass (see
+        :meth:`lease_slots`).
         """
         blocks, masks = self.blocks, {}
-        for leaf in leaves:
-            mask: list[bool] = []
-            append = mask.append
-            if shards == 1:
+        if shards != 1:
+            pinned: dict[StoreKey, int] = {}
+            try:
+                for leaf in leaves:
+                    mask: list[bool] = []
+                    for depth, h in enumerate(hashes):
+                        keys = [StoreKey(namespace, leaf, s, h) for s in range(shards)]
+                        if all(k in blocks for k in keys) and all(self._pin_on_host(k, pinned, promoted) for k in keys):
+                            for k in keys:
+                                pinned[k] = depth
+                            mask.append(True)
+                        else:
+                            mask.append(False)
+                    masks[leaf] = mask
+            finally:  # each pinned once, at its last depth
+                held.extend(blocks[k] for k in pinned)
+                depths.extend(pinned.values())
+            return masks
+        get, hold, at_depth = blocks.get, held.append, depths.append
+        newly = 0
+        try:
+            for leaf in leaves:
+                found = [get((namespace, leaf, 0, h)) for h in hashes]  # type: ignore[call-overload]
+                mask = []
+                append = mask.append
                 offsets: list[int] = []
                 sizes: list[int] = []
                 sums: list[bytes] = []
-                for depth, h in enumerate(hashes):
-                    block = blocks.get((namespace, leaf, 0, h))  # type: ignore[call-overload]
-                    if block is None or (block.offset < 0 and block.key not in pinned
-                                         and not self._promote(block, promoted)):
+                fresh = False  # a promotion made room: blocks fetched before it may have gone since
+                for depth, block in enumerate(found):
+                    if fresh:
+                        block = get((namespace, leaf, 0, hashes[depth]))  # type: ignore[call-overload]
+                    if block is not None and block.offset < 0:
+                        fresh = True
+                        if not self._promote(block, promoted):
+                            block = None
+                    if block is None:
                         append(False)
                         offsets.append(-1)
                         sizes.append(0)
                         sums.append(_NO_SUM)
                         continue
-                    if block.key not in pinned:
-                        if block.pins == 0:
-                            self.pinned_blocks += 1
-                        block.pins += 1
-                    pinned[block.key] = depth
+                    if block.pins == 0:
+                        newly += 1
+                    block.pins += 1
+                    hold(block)
+                    at_depth(depth)
                     append(True)
-                    offset, size, checksum = _slot_of(block)
-                    offsets.append(offset)
-                    sizes.append(size)
-                    sums.append(checksum)
+                    checksum = block.checksum
+                    if checksum is None:
+                        offsets.append(-1)
+                        sizes.append(0)
+                        sums.append(_NO_SUM)
+                    else:
+                        offsets.append(block.offset)
+                        sizes.append(block.size)
+                        sums.append(checksum)
                 if slots is not None:
                     slots[leaf] = (offsets, sizes, sums)
-            else:
-                for depth, h in enumerate(hashes):
-                    keys = [StoreKey(namespace, leaf, s, h) for s in range(shards)]
-                    if all(k in blocks for k in keys) and all(self._pin_on_host(k, pinned, promoted) for k in keys):
-                        for k in keys:
-                            pinned[k] = depth
-                        append(True)
-                    else:
-                        append(False)
-            masks[leaf] = mask
+                masks[leaf] = mask
+        finally:
+            self.pinned_blocks += newly
         return masks
 
     def _pin_on_host(self, key: StoreKey, pinned: dict[StoreKey, int],
@@ -587,7 +632,7 @@ class Store:
         pinned[key] = 0
         return True
 
-    def _grant(self, owner: str, group: int, pinned: dict[StoreKey, int], tenant: str = "") -> Lease:
+    def _grant(self, owner: str, group: int, held: list[Block], depths: list[int], tenant: str = "") -> Lease:
         """A new lease, within the owner's, the credential's and the node's bounds; NodeBusy changes nothing."""
         owned = self._owner_leases.get(owner, {})
         usage = self._tenant(tenant)
@@ -605,7 +650,7 @@ class Store:
         while usage.leases and len(usage.leases) >= usage.limits.leases:
             self.counters.leases_dropped_over_quota += 1
             self.end_lease(next(iter(usage.leases)))
-        lease = Lease(next(self._ids), owner, group, pinned, self.clock() + self.lease_ttl, tenant)
+        lease = Lease(next(self._ids), owner, group, held, depths, self.clock() + self.lease_ttl, tenant)
         self.leases[lease.lease_id] = lease
         owned[lease.lease_id] = None
         usage.leases[lease.lease_id] = None
@@ -726,7 +771,7 @@ class Store:
         lease = self.leases.get(lease_id)
         if lease is None or lease.owner != owner:
             return False
-        self._stamp((k, d) for k, d in lease.keys.items() if k in self.blocks)
+        self._stamp_blocks(lease.blocks, lease.depths)
         return self.end_lease(lease_id)
 
     def end_lease(self, lease_id: int) -> bool:
@@ -734,10 +779,7 @@ class Store:
         lease = self.leases.pop(lease_id, None)
         if lease is None:
             return False
-        for key in lease.keys:
-            block = self.blocks.get(key)
-            if block is not None:
-                self._unpin(block)
+        self._unpin_blocks(lease.blocks)
         self._owner_leases.get(lease.owner, {}).pop(lease_id, None)
         usage = self._tenants.get(lease.tenant)
         if usage is not None:
@@ -941,6 +983,20 @@ class Store:
                 usage = tenants[block.tenant]
                 heap = usage.heap
                 push(heap, (stamp, -depth, order, key))
+                if len(heap) > 2 * usage.host_blocks + HEAP_SLACK:
+                    self._compact_recency(usage)
+
+    def _stamp_blocks(self, held: Sequence[Block], depths: Sequence[int]) -> None:
+        """One use of a lease's blocks (indexed: they are pinned), each at its depth: :meth:`_stamp` without key lookups."""
+        stamp = next(self._stamps)
+        tenants, orders, push = self._tenants, self._orders, heapq.heappush
+        for block, depth in zip(held, depths):
+            order = next(orders)
+            block.stamp, block.depth, block.order = stamp, depth, order
+            if block.offset >= 0:
+                usage = tenants[block.tenant]
+                heap = usage.heap
+                push(heap, (stamp, -depth, order, block.key))
                 if len(heap) > 2 * usage.host_blocks + HEAP_SLACK:
                     self._compact_recency(usage)
 
@@ -1421,12 +1477,14 @@ class Store:
         self.counters.disk_hits += 1
         return True
 
-    def _unpin_keys(self, keys: Iterable[StoreKey]) -> None:
-        """Give back one lease pin per key (a leased lookup that failed midway)."""
-        for key in keys:
-            block = self.blocks.get(key)
-            if block is not None:
-                self._unpin(block)
+    def _unpin_blocks(self, held: Iterable[Block]) -> None:
+        """Give back one pin per entry of ``held`` (a lease's blocks: indexed while pinned)."""
+        unpinned = 0
+        for block in held:
+            block.pins -= 1
+            if block.pins == 0:
+                unpinned += 1
+        self.pinned_blocks -= unpinned
 
     def _notify_evicted(self, keys: list[StoreKey]) -> None:
         """Tell every ``on_evict`` callback; one that raises is logged and cannot undo the store's change."""
