@@ -43,8 +43,58 @@ MAPPED_BODY_MIN = 256 * 1024  # as dkv.transport: large bodies in a mapping of t
 SOCKET_BUFFER = 1 << 20  # kernel buffers big enough that a message of a few hundred KiB is one write
 
 
+_CHUNK = 64 * 1024  # one read of control bytes (messages under MAPPED_BODY_MIN are parsed out of these)
+_INBOX_MAX = MAPPED_BODY_MIN + HEADER_SIZE + _CHUNK  # bytes read ahead with no receive posted; then reading pauses
+
+
+class _Receive:
+    """What the reader fills now: one framed message, or payload buffers filled in place."""
+
+    __slots__ = ("future", "max_frame", "length", "views", "index", "got", "body")
+
+    def __init__(self, future: asyncio.Future[Any], max_frame: int, views: list[memoryview] | None = None) -> None:
+        self.future = future
+        self.max_frame = max_frame
+        self.length: int | None = None  # a message's body length, once its header is in
+        self.views = views or []  # filled straight from the socket (payloads, or a large body)
+        self.index = 0
+        self.got = 0
+        self.body: mmap.mmap | None = None  # a large message body, filled in place
+
+    def fill(self, data: memoryview) -> int:
+        """Copy what fits of ``data`` into the views; how many bytes were taken."""
+        taken = 0
+        while self.index < len(self.views) and taken < len(data):
+            view = self.views[self.index]
+            n = min(view.nbytes - self.got, len(data) - taken)
+            view[self.got:self.got + n] = data[taken:taken + n]
+            taken += n
+            self.got += n
+            self.skip_full()
+        return taken
+
+    def skip_full(self) -> None:
+        while self.index < len(self.views) and self.got == self.views[self.index].nbytes:
+            self.index += 1
+            self.got = 0
+
+    @property
+    def filled(self) -> bool:
+        return self.index == len(self.views)
+
+
 class StreamConnection:
-    """One Unix stream connection: framed messages plus raw payloads, one exchange at a time."""
+    """One Unix stream connection: framed messages plus raw payloads, one exchange at a time.
+
+    The socket is watched for reads once, for the connection's life (not once
+    per receive): what arrives is read into a small inbox, and a posted
+    receive is answered from it, or, for payloads and bodies of at least
+    ``MAPPED_BODY_MIN`` bytes, filled straight from the socket into its
+    buffers. With no receive posted, at most ``_INBOX_MAX`` bytes are read
+    ahead; then reading pauses until one is. A send writes at once and waits
+    only for what the kernel did not take. Every wait is bounded; a wait that
+    times out, is cancelled or fails aborts the connection before it raises.
+    """
 
     def __init__(self, sock: socket.socket, peer: str, max_frame: int = MAX_FRAME) -> None:
         sock.setblocking(False)
@@ -54,14 +104,20 @@ class StreamConnection:
         self._sock: socket.socket | None = sock
         self.peer = peer
         self.max_frame = max_frame
-        self._header = bytearray(HEADER_SIZE)
         self._loop = asyncio.get_running_loop()
+        self._inbox = bytearray()
+        self._chunk = bytearray(_CHUNK)
+        self._chunk_view = memoryview(self._chunk)
+        self._want: _Receive | None = None
+        self._ended: BaseException | None = None  # what the reader met: the peer's close or a socket error
+        self._reading = False
+        self._watch()
 
     @property
     def closed(self) -> bool:
         """True once aborted here, or once the node closed its end (seen without reading: safe from any thread)."""
         sock = self._sock
-        if sock is None:
+        if sock is None or self._ended is not None:
             return True
         try:
             return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""  # b"": the peer's end is closed
@@ -69,6 +125,122 @@ class StreamConnection:
             return False
         except OSError:
             return True
+
+    # ---- the reader (loop thread) -------------------------------------------------------------
+
+    def _watch(self) -> None:
+        if not self._reading and self._sock is not None and self._ended is None:
+            self._loop.add_reader(self._sock, self._readable)
+            self._reading = True
+
+    def _unwatch(self) -> None:
+        if self._reading and self._sock is not None:
+            with contextlib.suppress(Exception):  # the loop may be closing
+                self._loop.remove_reader(self._sock)
+        self._reading = False
+
+    def _readable(self) -> None:
+        sock, want = self._sock, self._want
+        if sock is None:
+            return
+        try:
+            if want is not None and not want.filled:  # payloads, or a large body: straight into place
+                n = sock.recv_into(want.views[want.index][want.got:])
+                if n:
+                    want.got += n
+                    want.skip_full()
+            else:
+                room = _CHUNK if want is not None else min(_CHUNK, _INBOX_MAX - len(self._inbox))
+                if room <= 0:
+                    self._unwatch()  # nobody is reading: leave the rest in the kernel's buffer
+                    return
+                n = sock.recv_into(self._chunk_view[:room])
+                if n:
+                    self._inbox += self._chunk_view[:n]
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._end(exc)
+            return
+        if n == 0:
+            self._end(ConnectionResetError("the peer closed the connection"))
+            return
+        self._progress()
+
+    def _end(self, exc: BaseException) -> None:
+        """The stream ended (the peer closed it, or the socket failed): stop reading, fail the receive."""
+        self._ended = exc
+        self._unwatch()
+        self._progress()
+
+    def _progress(self) -> None:
+        """Answer the posted receive as far as what has arrived allows."""
+        want = self._want
+        if want is None or want.future.done():
+            return
+        inbox = self._inbox
+        try:
+            if want.views and not want.filled and inbox:
+                taken = want.fill(memoryview(inbox))
+                del inbox[:taken]
+            if want.views:
+                if not want.filled:
+                    if self._ended is not None:
+                        self._fail(want, self._ended_error())
+                    return
+                result: Any = decode_body(want.body) if want.body is not None else None
+            else:  # a message parsed from the inbox
+                if want.length is None:
+                    if len(inbox) < HEADER_SIZE:
+                        if self._ended is not None:
+                            self._fail(want, self._ended_error())
+                        return
+                    want.length = decode_header(inbox[:HEADER_SIZE], want.max_frame)
+                    del inbox[:HEADER_SIZE]
+                    if want.length >= MAPPED_BODY_MIN:  # large: filled in place, out of the heap
+                        want.body = mmap.mmap(-1, want.length)
+                        want.views = [memoryview(want.body)]
+                        self._progress()
+                        return
+                length = want.length
+                if len(inbox) < length:
+                    if self._ended is not None:
+                        self._fail(want, self._ended_error())
+                    return
+                body = bytes(inbox[:length])
+                del inbox[:length]
+                result = decode_body(body)
+        except Exception as exc:  # noqa: BLE001 - a bad header or body: the waiter raises it
+            self._fail(want, exc)
+            return
+        self._want = None
+        want.future.set_result(result)
+
+    def _ended_error(self) -> OSError:
+        """A fresh error for how the stream ended (never the stored one raised again: its traceback would pin frames)."""
+        ended = self._ended
+        if isinstance(ended, OSError) and ended.errno is not None:
+            return OSError(ended.errno, ended.strerror)
+        return ConnectionResetError(str(ended) or "the peer closed the connection")
+
+    def _fail(self, want: _Receive, exc: BaseException) -> None:
+        """End ``want`` with ``exc``, first giving back a large body's mapping (a dead sender must cost nothing)."""
+        if self._want is want:
+            self._want = None
+        if want.body is not None:
+            for view in want.views:
+                view.release()
+            want.body.close()
+            want.body, want.views = None, []
+        if not want.future.done():
+            want.future.set_exception(exc)
+
+    # ---- waits ----------------------------------------------------------------------------------
+
+    def _socket(self) -> socket.socket:
+        if self._sock is None:
+            raise TransportError(f"connection to {self.peer} is closed")
+        return self._sock
 
     async def _bounded(self, awaitable: Awaitable[Any], timeout: float, what: str) -> Any:
         try:
@@ -84,64 +256,78 @@ class StreamConnection:
             self.abort()
             raise TransportError(f"{what} with {self.peer} failed: {exc}") from exc
 
-    def _socket(self) -> socket.socket:
-        if self._sock is None:
-            raise TransportError(f"connection to {self.peer} is closed")
-        return self._sock
+    async def _receive(self, want: _Receive, timeout: float) -> Any:
+        """Post ``want`` and wait for it (answered at once when the inbox already holds it)."""
+        self._socket()
+        if self._want is not None:
+            raise TransportError(f"connection to {self.peer}: a receive is already waiting")
+        self._want = want
+        self._watch()
+        self._progress()
+        try:
+            if want.future.done():
+                try:
+                    return want.future.result()
+                except OSError as exc:
+                    self.abort()
+                    raise TransportError(f"receive with {self.peer} failed: {exc}") from exc
+            return await self._bounded(want.future, timeout, "receive")
+        finally:
+            if self._want is want:
+                self._want = None
 
-    async def _recv_into(self, buffer: Any) -> None:
-        view = memoryview(buffer).cast("B")
-        sock, got = self._socket(), 0
-        while got < view.nbytes:
-            n = await self._loop.sock_recv_into(sock, view[got:])
-            if n == 0:
-                raise ConnectionResetError("the peer closed the connection")
-            got += n
+    async def _send(self, data: Any, timeout: float, what: str) -> None:
+        """Write ``data``; wait (bounded) only for what the kernel did not take at once."""
+        sock = self._socket()
+        view = memoryview(data).cast("B")
+        try:
+            sent = sock.send(view)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError as exc:
+            self.abort()
+            raise TransportError(f"{what} with {self.peer} failed: {exc}") from exc
+        if sent < view.nbytes:
+            await self._bounded(self._loop.sock_sendall(sock, view[sent:]), timeout, what)
+
+    # ---- the interface of dkv.transport.Connection ----------------------------------------------
 
     async def send_message(self, message: dict[str, Any], timeout: float = DEFAULT_TIMEOUT) -> None:
         """Send one framed msgpack message (header and body in one write)."""
         body = encode_body(message)
-        frame = encode_header(len(body)) + body
-        await self._bounded(self._loop.sock_sendall(self._socket(), frame), timeout, "send")
+        await self._send(encode_header(len(body)) + body, timeout, "send")
 
     async def recv_message(self, timeout: float = DEFAULT_TIMEOUT, max_frame: int | None = None) -> dict[str, Any]:
         """Receive one framed message; the header is validated before the body is allocated (see transport)."""
-        await self._bounded(self._recv_into(self._header), timeout, "receive")
-        length = decode_header(self._header, self.max_frame if max_frame is None else max_frame)
-        body: bytearray | mmap.mmap = bytearray(length) if length < MAPPED_BODY_MIN else mmap.mmap(-1, length)
-        if length:
-            await self._bounded(self._recv_into(body), timeout, "receive")
-        return decode_body(body)
+        want = _Receive(self._loop.create_future(), self.max_frame if max_frame is None else max_frame)
+        message: dict[str, Any] = await self._receive(want, timeout)
+        return message
 
     async def send_payloads(self, buffers: Sequence[Any], timeout: float = DEFAULT_TIMEOUT) -> None:
         """Send each buffer's bytes, in order (the stream needs no per-buffer framing)."""
-
-        async def send_all() -> None:
-            sock = self._socket()
-            for buffer in buffers:
-                await self._loop.sock_sendall(sock, memoryview(buffer).cast("B"))
-
-        await self._bounded(send_all(), timeout, "payload send")
+        for buffer in buffers:
+            await self._send(buffer, timeout, "payload send")
 
     async def recv_payloads(self, buffers: Sequence[Any], timeout: float = DEFAULT_TIMEOUT) -> None:
         """Fill each buffer, in order."""
-
-        async def recv_all() -> None:
-            for buffer in buffers:
-                await self._recv_into(buffer)
-
-        await self._bounded(recv_all(), timeout, "payload receive")
+        views = [view for view in (memoryview(b).cast("B") for b in buffers) if view.nbytes]
+        if views:
+            await self._receive(_Receive(self._loop.create_future(), self.max_frame, views), timeout)
 
     async def send_raw(self, data: bytes, timeout: float = DEFAULT_TIMEOUT) -> None:
         """Send bytes with no framing (tests of the node's defences use this)."""
-        await self._bounded(self._loop.sock_sendall(self._socket(), data), timeout, "send")
+        await self._send(data, timeout, "send")
 
     def abort(self) -> None:
-        """Close at once. Idempotent."""
+        """Close at once; a receive still waiting fails. Idempotent."""
+        self._unwatch()
         sock, self._sock = self._sock, None
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.close()
+        want = self._want
+        if want is not None:
+            self._fail(want, ConnectionAbortedError(f"connection to {self.peer} was aborted"))
 
     async def close(self) -> None:
         self.abort()
