@@ -92,7 +92,7 @@ from typing import Any
 
 import msgpack
 
-from dkv.checksum import is_checksum
+from dkv.checksum import CHECKSUM_SIZE
 from dkv.errors import FrameTooLarge, ProtocolError
 from dkv.keys import HASH_LENGTHS, MAX_LEAF_ID_LENGTH, MAX_TP_SHARDS, check_namespace
 
@@ -207,44 +207,65 @@ def _int(lo: int, hi: int) -> Callable[[object], bool]:
     return lambda v: isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
 
 
+# The checks of per-key fields run on every lookup, read and write of up to MAX_KEYS keys: each is a
+# few C-speed passes (map, set, min, max) over the list, not a Python step per key. Types are compared
+# exactly (msgpack builds plain int, str, bytes and list), which also keeps bool out of the ints.
+_HASH_LENGTH_SET = frozenset(HASH_LENGTHS)
+
+
+def _all_of_type(values: Any, kind: type) -> bool:
+    return set(map(type, values)) <= {kind}
+
+
+def _ints_within(values: Any, lo: int, hi: int) -> bool:
+    return not values or (_all_of_type(values, int) and lo <= min(values) and max(values) <= hi)
+
+
+def _hash_list(values: Any) -> bool:
+    return _all_of_type(values, bytes) and _HASH_LENGTH_SET.issuperset(map(len, values))
+
+
+def _leaf_list(values: Any) -> bool:
+    return not values or (_all_of_type(values, str) and min(map(len, values)) > 0
+                          and max(map(len, values)) <= MAX_LEAF_ID_LENGTH)
+
+
+def _int(lo: int, hi: int) -> Callable[[object], bool]:
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
 def _hashes(v: object) -> bool:
-    return isinstance(v, list) and len(v) <= MAX_KEYS and all(
-        isinstance(h, bytes) and len(h) in HASH_LENGTHS for h in v
-    )
+    return isinstance(v, list) and len(v) <= MAX_KEYS and _hash_list(v)
 
 
 def _leaves(v: object) -> bool:
-    return isinstance(v, list) and 0 < len(v) <= MAX_LEAVES and all(
-        isinstance(x, str) and 0 < len(x) <= MAX_LEAF_ID_LENGTH for x in v
-    )
+    return isinstance(v, list) and 0 < len(v) <= MAX_LEAVES and _leaf_list(v)
 
 
 def _keys(v: object) -> bool:
-    return isinstance(v, list) and len(v) <= MAX_KEYS and all(
-        isinstance(k, list)
-        and len(k) == 3
-        and isinstance(k[0], str)
-        and 0 < len(k[0]) <= MAX_LEAF_ID_LENGTH
-        and _int(0, MAX_TP_SHARDS - 1)(k[1])
-        and isinstance(k[2], bytes)
-        and len(k[2]) in HASH_LENGTHS
-        for k in v
-    )
+    if not isinstance(v, list) or len(v) > MAX_KEYS:
+        return False
+    if not v:
+        return True
+    if not _all_of_type(v, list) or set(map(len, v)) != {3}:
+        return False
+    leaves, shards, hashes = zip(*v)
+    return _leaf_list(leaves) and _ints_within(shards, 0, MAX_TP_SHARDS - 1) and _hash_list(hashes)
 
 
 def _sizes(v: object) -> bool:
-    return isinstance(v, list) and len(v) <= MAX_KEYS and all(_int(0, 2**40)(x) for x in v)
+    return isinstance(v, list) and len(v) <= MAX_KEYS and _ints_within(v, 0, 2**40)
 
 
 def _sums(v: object) -> bool:
-    return isinstance(v, list) and len(v) <= MAX_KEYS and all(is_checksum(x) for x in v)
+    return isinstance(v, list) and len(v) <= MAX_KEYS and _all_of_type(v, bytes) and set(map(len, v)) <= {CHECKSUM_SIZE}
 
 
 MAX_ENDS = 1024  # leases one request may end besides its own work (see "ends")
 
 
 def _lease_ids(v: object) -> bool:
-    return isinstance(v, list) and len(v) <= MAX_ENDS and all(_is_id(x) for x in v)
+    return isinstance(v, list) and len(v) <= MAX_ENDS and _ints_within(v, 0, 2**63)
 
 
 class _Optional:
