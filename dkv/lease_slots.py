@@ -14,8 +14,11 @@ False and the caller reads the two-step way, which pins for the read itself
 and tells an ended lease from corruption. A block without a checksum is never
 copied this way (the node announces offset ``-1``).
 
-Large copies run on a worker thread with a copy that releases the GIL, so
-the event loop and the engine's scheduler thread are not stalled by them.
+Large copies run off the event loop, on worker threads (numpy's copy and
+xxhash both release the GIL), so the event loop and the engine's scheduler
+thread are not stalled by them; a copy of at least ``PARALLEL_COPY_MIN``
+bytes is split by bytes across ``COPY_THREADS`` threads, each copying and
+checking its own blocks.
 """
 
 from __future__ import annotations
@@ -35,6 +38,10 @@ from dkv.errors import ProtocolError
 # Copies of at least this many bytes in all run on a worker thread (numpy's copy releases the GIL);
 # smaller ones cost less than the hop to the thread and back.
 OFF_LOOP_COPY_MIN = 1 << 20
+# Copies of at least this many bytes are split across COPY_THREADS threads: the copy and its checksum
+# are most of a large same-host load, and both run without the GIL.
+PARALLEL_COPY_MIN = 4 << 20
+COPY_THREADS = 2
 
 
 class LeaseSlots:
@@ -99,14 +106,17 @@ class LeaseSlots:
         total = sum(view.nbytes for view, _, _ in plan)
         if total < OFF_LOOP_COPY_MIN:
             return self._copy_and_verify(keys, plan)
-        copying = asyncio.get_running_loop().run_in_executor(None, self._copy_and_verify, keys, plan)
+        loop = asyncio.get_running_loop()
+        parts = _split_by_bytes(len(plan), [view.nbytes for view, _, _ in plan],
+                                COPY_THREADS if total >= PARALLEL_COPY_MIN else 1)
+        copies = [loop.run_in_executor(None, self._copy_and_verify, keys[part], plan[part]) for part in parts]
         try:
-            return await asyncio.shield(copying)
+            return all(await asyncio.shield(asyncio.gather(*copies)))
         except asyncio.CancelledError:
-            # the caller is told the views are done with once this raises: the copy must have ended
-            while not copying.done():
+            # the caller is told the views are done with once this raises: every copy must have ended
+            while not all(copy.done() for copy in copies):
                 with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.wait([copying])
+                    await asyncio.wait(copies)
             raise
 
     def _copy_and_verify(self, keys: Sequence[Any], plan: list[tuple[memoryview, int, bytes]]) -> bool:
@@ -118,3 +128,17 @@ class LeaseSlots:
             if not checksum_matches(key[0], key[1], key[2], view, checksum):
                 return False
         return True
+
+
+def _split_by_bytes(count: int, sizes: Sequence[int], parts: int) -> list[slice]:
+    """At most ``parts`` consecutive slices of ``range(count)``, each about an equal share of ``sum(sizes)``."""
+    if parts <= 1 or count <= 1:
+        return [slice(0, count)]
+    share = sum(sizes) / parts
+    cuts, running = [0], 0
+    for i, size in enumerate(sizes):
+        running += size
+        if len(cuts) < parts and running >= share * len(cuts) and i + 1 < count:
+            cuts.append(i + 1)
+    cuts.append(count)
+    return [slice(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]

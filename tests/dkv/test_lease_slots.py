@@ -12,7 +12,7 @@ import pytest
 
 from dkv.checksum import block_checksum
 from dkv.errors import ProtocolError
-from dkv.lease_slots import OFF_LOOP_COPY_MIN, LeaseSlots
+from dkv.lease_slots import COPY_THREADS, OFF_LOOP_COPY_MIN, PARALLEL_COPY_MIN, LeaseSlots, _split_by_bytes
 
 BLOCK = 1 << 20  # at OFF_LOOP_COPY_MIN: copied on a worker thread
 
@@ -87,3 +87,55 @@ async def test_a_cancelled_copy_writes_nothing_into_the_views_after_the_cancella
     after = [bytes(d) for d in dests]
     await asyncio.sleep(0.8)
     assert [bytes(d) for d in dests] == after, "bytes landed in the caller's buffers after the copy was cancelled"
+
+
+async def test_a_copy_split_across_threads_is_delivered_whole_and_fails_when_any_part_fails() -> None:
+    n = PARALLEL_COPY_MIN // BLOCK + 2  # over the split threshold: COPY_THREADS parts
+    assert COPY_THREADS > 1 and n * BLOCK >= PARALLEL_COPY_MIN
+    mapping, hashes, sums = _stored(n)
+    slots = _slots(mapping, hashes, sums)
+    keys = [("L", 0, h) for h in hashes]
+    dests = [bytearray(BLOCK) for _ in hashes]
+    assert await slots.copy(keys, [memoryview(d) for d in dests]) is True
+    assert [bytes(d) for d in dests] == [bytes(mapping.slot(i * BLOCK, BLOCK)) for i in range(n)]
+    for reused in (0, n - 1):  # a slot in the first part, then in the last
+        mapping.data[reused * BLOCK + 5] ^= 0xFF
+        assert await slots.copy(keys, [memoryview(d) for d in dests]) is False
+        mapping.data[reused * BLOCK + 5] ^= 0xFF
+
+
+async def test_a_cancelled_split_copy_waits_for_every_part(monkeypatch) -> None:
+    n = PARALLEL_COPY_MIN // BLOCK + 2
+    mapping, hashes, sums = _stored(n)
+    slots = _slots(mapping, hashes, sums)
+    started, finished = [], []
+    real = LeaseSlots._copy_and_verify
+
+    def slow_copy(self: LeaseSlots, keys: Any, plan: Any) -> bool:
+        started.append(len(keys))
+        time.sleep(0.3 * len(started))  # the parts end at different times
+        result = real(self, keys, plan)
+        finished.append(len(keys))
+        return result
+
+    monkeypatch.setattr(LeaseSlots, "_copy_and_verify", slow_copy)
+    dests = [bytearray(BLOCK) for _ in hashes]
+    task = asyncio.ensure_future(slots.copy([("L", 0, h) for h in hashes], [memoryview(d) for d in dests]))
+    while len(started) < COPY_THREADS:
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert len(finished) == COPY_THREADS, "the cancellation was raised while a part was still copying"
+    assert sum(finished) == n
+
+
+def test_copies_are_split_into_consecutive_parts_of_about_equal_bytes() -> None:
+    assert _split_by_bytes(10, [1] * 10, 2) == [slice(0, 5), slice(5, 10)]
+    assert _split_by_bytes(3, [10, 1, 1], 2) == [slice(0, 1), slice(1, 3)]
+    assert _split_by_bytes(1, [5], 2) == [slice(0, 1)]
+    assert _split_by_bytes(4, [1] * 4, 1) == [slice(0, 4)]
+    for count, parts in ((7, 3), (256, 2), (5, 8)):
+        cut = _split_by_bytes(count, [3] * count, parts)
+        assert cut[0].start == 0 and cut[-1].stop == count and len(cut) <= parts
+        assert all(a.stop == b.start for a, b in zip(cut, cut[1:]))
