@@ -22,6 +22,7 @@ import concurrent.futures
 import copy
 import itertools
 import logging
+import operator
 import threading
 import time
 from collections import Counter
@@ -84,8 +85,7 @@ class LeaseState:
 
     def __post_init__(self) -> None:
         if not self.reported:
-            self.reported = {leaf: frozenset(h for h, ok in zip(self.hashes, mask) if ok)
-                             for leaf, mask in self.masks.items()}
+            self.reported = {leaf: frozenset(itertools.compress(self.hashes, mask)) for leaf, mask in self.masks.items()}
 
     def blame(self, plan: TransferPlan) -> tuple[str, bytes]:
         """Scheduler thread: the leaf and block to name when the whole lease is refused: the first block asked for."""
@@ -451,8 +451,9 @@ class SchedulerSide:
         held: list[tuple[str, bytes]] = []
         absent: list[tuple[str, bytes]] = []
         for leaf, mask in masks.items():
-            for h, ok in zip(hashes, mask):
-                (held if ok else absent).append((leaf, h))
+            pairs = list(zip(itertools.repeat(leaf), hashes))
+            held += itertools.compress(pairs, mask)
+            absent += itertools.compress(pairs, map(operator.not_, mask))
         self.held.learn(held=held, absent=absent)
 
     # ---- loads ----------------------------------------------------------------------------------
