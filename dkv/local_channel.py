@@ -115,10 +115,19 @@ class StreamConnection:
 
     @property
     def closed(self) -> bool:
-        """True once aborted here, or once the node closed its end (seen without reading: safe from any thread)."""
+        """True once aborted here, or once the peer closed its end. Safe from any thread; never reads.
+
+        While the reader watches the socket it notices the peer's close
+        itself, as UCX's error callback does for a UCX connection, so this is
+        a flag: no system call, which on the engine's scheduler thread would
+        let go of the GIL to a busy loop thread (``leases_lost`` asks this
+        per load). With reading paused (read-ahead full), a peek looks.
+        """
         sock = self._sock
         if sock is None or self._ended is not None:
             return True
+        if self._reading:
+            return False
         try:
             return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""  # b"": the peer's end is closed
         except BlockingIOError:
