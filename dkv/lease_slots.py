@@ -14,11 +14,12 @@ False and the caller reads the two-step way, which pins for the read itself
 and tells an ended lease from corruption. A block without a checksum is never
 copied this way (the node announces offset ``-1``).
 
-Large copies run off the event loop, on worker threads (numpy's copy and
-xxhash both release the GIL), so the event loop and the engine's scheduler
-thread are not stalled by them; a copy of at least ``PARALLEL_COPY_MIN``
-bytes is split by bytes across ``COPY_THREADS`` threads, each copying and
-checking its own blocks.
+Large copies run off the event loop, on worker threads, so the event loop
+and the engine's scheduler thread are not stalled by them. A block of at
+least ``GIL_FREE_COPY_MIN`` bytes is copied and hashed without the GIL (a
+smaller one is only copied without it), and a
+copy of at least ``PARALLEL_COPY_MIN`` bytes of such blocks is split by bytes
+across ``COPY_THREADS`` threads, each copying and checking its own blocks.
 """
 
 from __future__ import annotations
@@ -38,8 +39,14 @@ from dkv.errors import ProtocolError
 # Copies of at least this many bytes in all run on a worker thread (numpy's copy releases the GIL);
 # smaller ones cost less than the hop to the thread and back.
 OFF_LOOP_COPY_MIN = 1 << 20
-# Copies of at least this many bytes are split across COPY_THREADS threads: the copy and its checksum
-# are most of a large same-host load, and both run without the GIL.
+# A block this large is hashed without the GIL as well as copied without it (xxhash lets go of it only
+# above 64 KiB: measured, two threads hashing 64 KiB blocks take as long as one). A memoryview assignment
+# would copy a small block with less overhead than numpy, but it holds the GIL: a thread copying many
+# small blocks would then keep the scheduler thread waiting for a whole switch interval.
+GIL_FREE_COPY_MIN = 128 * 1024
+# Copies of at least this many bytes, of blocks copied and hashed without the GIL, are split across
+# COPY_THREADS threads: the copy and its checksum are most of a large same-host load. Smaller blocks
+# would only take turns at the GIL.
 PARALLEL_COPY_MIN = 4 << 20
 COPY_THREADS = 2
 
@@ -107,8 +114,8 @@ class LeaseSlots:
         if total < OFF_LOOP_COPY_MIN:
             return self._copy_and_verify(keys, plan)
         loop = asyncio.get_running_loop()
-        parts = _split_by_bytes(len(plan), [view.nbytes for view, _, _ in plan],
-                                COPY_THREADS if total >= PARALLEL_COPY_MIN else 1)
+        gil_free = total >= PARALLEL_COPY_MIN and min(view.nbytes for view, _, _ in plan) >= GIL_FREE_COPY_MIN
+        parts = _split_by_bytes(len(plan), [view.nbytes for view, _, _ in plan], COPY_THREADS if gil_free else 1)
         copies = [loop.run_in_executor(None, self._copy_and_verify, keys[part], plan[part]) for part in parts]
         try:
             return all(await asyncio.shield(asyncio.gather(*copies)))
@@ -123,7 +130,7 @@ class LeaseSlots:
         mapping = self.mapping
         for key, (view, offset, checksum) in zip(keys, plan):
             size = view.nbytes
-            if size:
+            if size:  # numpy's copy lets go of the GIL: other threads get it at least once a block
                 np.copyto(np.frombuffer(view, dtype=np.uint8), np.frombuffer(mapping.slot(offset, size), dtype=np.uint8))
             if not checksum_matches(key[0], key[1], key[2], view, checksum):
                 return False
