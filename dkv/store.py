@@ -972,22 +972,14 @@ class Store:
         return len(found)
 
     def _stamp(self, keyed_depths: Iterable[tuple[StoreKey, int]]) -> None:
-        """One use of these blocks: :meth:`_restamp` of each, inlined (touch, loaded lookups: the hot path)."""
-        stamp = next(self._stamps)
-        blocks, tenants, orders, push = self.blocks, self._tenants, self._orders, heapq.heappush
-        for key, depth in keyed_depths:
-            block = blocks[key]
-            order = next(orders)
-            block.stamp, block.depth, block.order = stamp, depth, order
-            if block.offset >= 0:  # on the host tier
-                usage = tenants[block.tenant]
-                heap = usage.heap
-                push(heap, (stamp, -depth, order, key))
-                if len(heap) > 2 * usage.host_blocks + HEAP_SLACK:
-                    self._compact_recency(usage)
+        """One use of these (indexed) keys, each at its depth: :meth:`_stamp_blocks` of their blocks."""
+        blocks = self.blocks
+        pairs = [(blocks[key], depth) for key, depth in keyed_depths]
+        self._stamp_blocks([block for block, _ in pairs], [depth for _, depth in pairs])
 
     def _stamp_blocks(self, held: Sequence[Block], depths: Sequence[int]) -> None:
-        """One use of a lease's blocks (indexed: they are pinned), each at its depth: :meth:`_stamp` without key lookups."""
+        """One use of these indexed blocks, each at its depth: :meth:`_restamp` of each, inlined (the hot path:
+        touches, loaded lookups, a same-host lease's end)."""
         stamp = next(self._stamps)
         tenants, orders, push = self._tenants, self._orders, heapq.heappush
         for block, depth in zip(held, depths):
