@@ -27,10 +27,13 @@ same way, into the buffers or into staging and then scattered.
 Progress mode: see :func:`init_transport`. UCX progress and request
 completion are bound to the loop that initialises UCX, so a process drives
 all its UCX work from one loop (a node's, or :mod:`dkv.loop_thread`'s shared
-one).
+one). In the default ``loop`` mode that loop itself progresses UCX when the
+worker's event descriptor is readable (:class:`_LoopProgress`): no thread of
+UCX's, no hop between threads per completion.
 
-Lifetime: UCX runs a progress thread and a (non-daemon) notifier thread, so a
-process that leaves it initialised never exits. Whoever owns the process's UCX
+Lifetime: in ``thread`` mode UCX runs a progress thread and a (non-daemon)
+notifier thread, so a process that leaves it initialised never exits; in
+``loop`` mode the loop's reader and timer go with the loop. Whoever owns the process's UCX
 loop calls :func:`stop_progress` as that loop ends (a node, the shared loop
 thread, a CLI command). Library users need not: clients, loop threads and
 listeners count themselves as users (:func:`hold_transport`,
@@ -48,6 +51,7 @@ import ctypes
 import logging
 import mmap
 import os
+import struct
 import threading
 import weakref
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -112,10 +116,14 @@ with _ucx_log_environment():
     import ucxx  # noqa: E402
 
 import numpy as np  # noqa: E402
+import ucxx._lib.libucxx as ucx_api  # noqa: E402
 from ucxx._lib.arr import Array  # noqa: E402
 from ucxx._lib_async.application_context import ProgressTasks  # noqa: E402
+from ucxx._lib_async.endpoint import Endpoint  # noqa: E402
+from ucxx._lib_async.utils import hash64bits  # noqa: E402
+from ucxx.types import Tag  # noqa: E402
 
-from dkv.errors import OpTimeout, ProtocolError, TransportError  # noqa: E402
+from dkv.errors import DKVError, OpTimeout, ProtocolError, TransportError  # noqa: E402
 from dkv.stuck_connections import StuckConnectionReaper  # noqa: E402
 from dkv.wire import (  # noqa: E402
     FLAG_INLINE,
@@ -148,8 +156,9 @@ INLINE_MAX = 16 * 1024
 # Payload batching (protocol constants too: both sides derive the same messages from the sizes).
 GROUP_BYTES = 1 << 20  # runs of small buffers share one UCX message of at most this many bytes
 DIRECT_MIN = 128 * 1024  # a buffer this large is its own message (no copy, whatever its neighbours)
-# A control message's send is not waited for by send_message (its completion would cost one more
-# hop through ucxx's notifier thread per message): the connection's next operation waits for it.
+# A control message's send is not waited for by send_message (its completion would cost a wait per
+# message, and in thread mode a hop through ucxx's notifier thread): the connection's next
+# operation waits for it.
 # An abort while one is still leaving (an error reply, then the close) lets it go for this long.
 SEND_LINGER = 1.0
 _CANARY = 8  # bytes at the end of each buffer of a group that tell a short message (see _recv_group)
@@ -168,31 +177,200 @@ def open_connections() -> int:
     return len(_live)
 
 
+PROGRESS_MODES = ("loop", "thread", "thread-polling", "blocking", "polling")
+# A loop-driven worker is also progressed this often when no event came (a missed wake-up costs
+# at most this much, never a hang; idle, one pass every quarter second costs nothing measurable).
+PROGRESS_TICK = 0.25
+# Passes of progress one wake-up makes before it lets the loop's other callbacks run (and comes
+# back after them) while UCX keeps reporting work.
+_PASSES_PER_WAKE = 8
+
+
+class _LoopProgress:
+    """UCX progress driven by the event loop (``loop`` mode), as ucx-py drove it.
+
+    The loop watches the worker's event descriptor. Each pass progresses the
+    worker, completes the futures of finished requests, and arms the worker
+    (``ucp_worker_arm``) so that the descriptor wakes the loop at the next
+    event. A pass also follows every request posted (:meth:`watch`), on the
+    loop's next turn, so the worker is never left unarmed with work pending;
+    a timer (:data:`PROGRESS_TICK`) covers a wake-up UCX might not signal.
+
+    Requests are posted without ucxx's Python futures: completion is read on
+    the loop, so no thread of UCX's takes the GIL and no completion hops
+    between threads. Each watched request keeps the buffer it reads or
+    writes referenced until UCX reports it complete (cancelled, when its
+    endpoint was aborted), even after its waiter gave up: nothing lands in
+    freed memory. Only the loop thread touches the worker.
+    """
+
+    _tasks: tuple[asyncio.Task[Any], ...] = ()  # (ucxx's progress-task interface, see stop_progress)
+
+    def __init__(self, worker: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self.worker = worker
+        self.loop = loop
+        worker.init_blocking_progress_mode()
+        self._fd: int = worker.epoll_file_descriptor
+        self._pending: dict[Any, tuple[asyncio.Future[None], Any]] = {}
+        self._queued = False
+        self._closed = False
+        loop.add_reader(self._fd, self._progress)
+        self._timer = loop.call_later(PROGRESS_TICK, self._tick)
+
+    @property
+    def pending(self) -> int:
+        """Requests posted and not yet complete (each holds its buffer)."""
+        return len(self._pending)
+
+    def watch(self, request: Any, buffer: Any) -> asyncio.Future[None]:
+        """A future for ``request`` (set when UCX completes it); ``buffer`` is held until then."""
+        future: asyncio.Future[None] = self.loop.create_future()
+        self._pending[request] = (future, buffer)
+        self.kick()
+        return future
+
+    def kick(self) -> None:
+        """Progress on the loop's next turn (once, however often asked before it)."""
+        if not self._queued and not self._closed:
+            self._queued = True
+            self.loop.call_soon(self._progress)
+
+    def _tick(self) -> None:
+        if self._closed:
+            return
+        self._progress()
+        self._timer = self.loop.call_later(PROGRESS_TICK, self._tick)
+
+    def _progress(self) -> None:
+        self._queued = False
+        if self._closed:
+            return
+        worker = self.worker
+        try:
+            for _ in range(_PASSES_PER_WAKE):
+                worker.progress()
+                if self._pending:
+                    self._complete()
+                if worker.arm():  # nothing left to do: the descriptor wakes the loop at the next event
+                    return
+        except Exception as exc:  # noqa: BLE001 - progress must go on; the tick retries
+            log.debug("UCX progress: %s", exc)
+        self.kick()
+
+    def _complete(self) -> None:
+        pending = self._pending
+        for request in [r for r in pending if r.completed]:
+            future, _ = pending.pop(request)
+            if future.done():  # its waiter gave up (the endpoint was aborted): only the buffer was held
+                continue
+            try:
+                request.check_error()
+            except Exception as exc:  # noqa: BLE001 - ucxx's own tree; Connection translates it
+                future.set_exception(exc.with_traceback(None))  # (its frame would hold this pass's locals)
+            else:
+                future.set_result(None)
+
+    def close(self) -> list[Any]:
+        """Stop watching; fail every waiter. Returns the buffers of requests UCX did not complete."""
+        self._closed = True
+        self._timer.cancel()
+        with contextlib.suppress(Exception):
+            self.loop.remove_reader(self._fd)
+        held = []
+        for future, buffer in self._pending.values():
+            if not future.done():
+                future.set_exception(TransportError("UCX was stopped"))
+                _drop_task_traceback(future)
+            held.append(buffer)
+        self._pending.clear()
+        return held
+
+
+_driver: _LoopProgress | None = None  # this process's loop-driven progress, when in loop mode
+_held_after_stop: list[Any] = []  # buffers of requests UCX never completed, when its reset failed
+
+
+def _driven_here() -> _LoopProgress:
+    """The loop-mode driver, when the running loop is the one that drives UCX (else TransportError)."""
+    assert _driver is not None
+    try:
+        here = asyncio.get_running_loop()
+    except RuntimeError:
+        here = None
+    if here is not _driver.loop and here is not None and _driver.loop.is_closed():
+        _driver.close()  # that loop ended without stopping UCX: this one drives it from now on
+        _drive_from(here)
+    if here is not _driver.loop:
+        raise TransportError("UCX is driven by another event loop of this process: use that one")
+    return _driver
+
+
+def _drive_from(loop: asyncio.AbstractEventLoop) -> None:
+    """Make ``loop`` progress UCX in place of the progress task ucxx made for it (loop mode)."""
+    global _driver
+    ctx = ucxx.core._get_ctx()
+    theirs = ProgressTasks.pop(loop, None)
+    for task in getattr(theirs, "_tasks", ()):  # ucxx's polling task, not yet run: it never runs
+        if task is not None:
+            task.cancel()
+    _driver = _LoopProgress(ctx.worker, loop)
+    ProgressTasks[loop] = _driver  # ucxx then makes no progress task of its own for this loop
+
+
+_mode = "loop"
+
+
+def pending_requests() -> int:
+    """UCX requests posted and not yet complete, loop mode (each holds its buffer); 0 in other modes."""
+    return _driver.pending if _driver is not None else 0
+
+
+def active_progress_mode() -> str | None:
+    """The progress mode UCX runs in, in this process (None: not initialised)."""
+    return _mode if _initialised else None
+
+
 def init_transport(progress_mode: str | None = None) -> None:
     """Initialise UCX for this process once (idempotent).
 
-    ``thread`` progress (the default) runs UCX progress in its own thread,
-    blocked in epoll when idle, and completes requests through Python futures
-    on the loop that initialised UCX: no busy-waiting. ucxx 0.52's ``blocking``
-    and ``polling`` modes complete requests by yielding in a loop, which keeps
-    a core busy for as long as any request is pending (an idle server always
-    has one); they stay available through ``DKV_UCX_PROGRESS`` for measurement.
+    ``loop`` progress (the default) runs UCX progress on the loop that calls
+    this (:class:`_LoopProgress`): the loop sleeps in its own epoll until the
+    worker has an event, and completes requests itself. Called with no loop
+    running, it falls back to ``thread`` mode. ``thread`` progress runs UCX
+    progress in its own thread, blocked in epoll when idle, and completes
+    requests through Python futures that ucxx's notifier thread hands to the
+    loop: two thread hops per completion. ucxx 0.52's own ``blocking`` and
+    ``polling`` modes complete requests by yielding in a loop, which keeps a
+    core busy for as long as any request is pending (an idle server always
+    has one); they, and ``thread``, stay available through
+    ``DKV_UCX_PROGRESS`` for measurement.
     """
-    global _initialised, _owner_loop
+    global _initialised, _owner_loop, _mode
     if _initialised:
         return
     try:
-        _owner_loop = weakref.ref(asyncio.get_running_loop())
+        loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
     except RuntimeError:  # no loop runs here: ucxx binds to one it makes; never stopped by release_transport
-        _owner_loop = None
-    mode = progress_mode or os.environ.get("DKV_UCX_PROGRESS", "thread")
+        loop = None
+    mode = progress_mode or os.environ.get("DKV_UCX_PROGRESS", "loop")
+    if mode not in PROGRESS_MODES:
+        raise ValueError(f"unknown UCX progress mode {mode!r}: one of {', '.join(PROGRESS_MODES)}")
+    if mode == "loop" and loop is None:
+        mode = "thread"
+    _owner_loop = weakref.ref(loop) if loop is not None else None
     threaded = mode.startswith("thread")
     with _ucx_log_environment():  # UCXX reads its level here
         ucxx.init(
-            progress_mode=mode,
+            # loop mode starts as ucxx's polling mode (no thread, no futures), whose task is
+            # replaced before it runs
+            progress_mode="polling" if mode == "loop" else mode,
             enable_python_future=threaded,
             enable_delayed_submission=threaded and os.environ.get("DKV_UCX_DELAYED_SUBMISSION", "0") == "1",
         )
+    if mode == "loop":
+        assert loop is not None
+        _drive_from(loop)
+    _mode = mode
     _initialised = True
 
 
@@ -235,9 +413,10 @@ async def stop_progress() -> None:
 
     Called by whoever owns the process's UCX loop as that loop ends (a node's
     shutdown, the shared loop thread's, a CLI command's): the progress and
-    notifier threads are stopped, so the interpreter can exit.
+    notifier threads are stopped (``thread`` mode), or the loop's reader and
+    timer removed (``loop`` mode), so the interpreter can exit.
     """
-    global _initialised, _owner_loop
+    global _initialised, _owner_loop, _driver
     orphans = list(_orphaned_handshakes)  # UCX goes down with them, so nothing of theirs lands later
     for handshake in orphans:
         handshake.cancel()
@@ -247,6 +426,13 @@ async def stop_progress() -> None:
     for t in pending:
         t.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
+    held: list[Any] = []
+    if _driver is not None:
+        if _driver.loop is asyncio.get_running_loop():
+            held = _driver.close()
+        else:  # not the loop that drives UCX: that loop stops watching on its own turn
+            _driver.loop.call_soon_threadsafe(_driver.close)
+        _driver = None
     if _initialised:
         _initialised = False
         _owner_loop = None
@@ -254,6 +440,7 @@ async def stop_progress() -> None:
             ucxx.reset()
         except Exception as exc:  # noqa: BLE001 - endpoints still referenced: threads stop anyway
             log.debug("UCX reset: %s", exc)
+            _held_after_stop.extend(held)  # the worker lives on with them: their buffers too
             ucxx.stop_notifier_thread()
 
 
@@ -266,6 +453,13 @@ class Connection:
         self.max_frame = max_frame
         self._closed = False
         self._sending: asyncio.Future[Any] | None = None  # the last control message's send, not yet waited for
+        # loop mode: a ucxx endpoint's requests are posted raw and completed by the loop; any other
+        # endpoint object (a test's stand-in) is driven through the send/recv awaitables it offers
+        self._driver = _driver if isinstance(endpoint, Endpoint) else None
+        if self._driver is not None:
+            self._raw = endpoint._ep
+            self._send_tag = Tag(endpoint._tags["msg_send"])
+            self._recv_tag = Tag(endpoint._tags["msg_recv"])
         _live.add(self)
         if os.environ.get("DKV_DEBUG_LEAKS"):
             import traceback
@@ -275,6 +469,22 @@ class Connection:
     @property
     def closed(self) -> bool:
         return self._closed or self._ep is None or self._ep.closed
+
+    def _post_send(self, buffer: Any) -> asyncio.Future[Any]:
+        """Post one UCX message of ``buffer``'s bytes; a future for its completion."""
+        if self._driver is None:
+            return _request(self._ep.send(buffer))
+        if self._ep is None:
+            raise TransportError(f"connection to {self.peer} is closed")
+        return self._driver.watch(self._raw.tag_send(Array(buffer), self._send_tag), buffer)
+
+    def _post_recv(self, buffer: Any) -> asyncio.Future[Any]:
+        """Post a receive of the next UCX message into ``buffer``; a future for its completion."""
+        if self._driver is None:
+            return _request(self._ep.recv(buffer))
+        if self._ep is None:
+            raise TransportError(f"connection to {self.peer} is closed")
+        return self._driver.watch(self._raw.tag_recv(Array(buffer), self._recv_tag), buffer)
 
     async def _bounded(self, awaitable: Awaitable[Any], timeout: float, what: str) -> Any:
         try:
@@ -307,12 +517,12 @@ class Connection:
             raise TransportError(f"connection to {self.peer} is closed")
         await self._settle(timeout)
         if len(body) <= INLINE_MAX:  # one UCX message: header and body together
-            self._sending = _request(self._ep.send(encode_header(len(body), FLAG_INLINE) + body))
+            self._sending = self._post_send(encode_header(len(body), FLAG_INLINE) + body)
             return
 
         async def _send() -> None:
-            await self._ep.send(encode_header(len(body)))
-            await self._ep.send(body)
+            await self._post_send(encode_header(len(body)))
+            await self._post_send(body)
 
         await self._bounded(_send(), timeout, "send")
 
@@ -348,7 +558,7 @@ class Connection:
         # the bytes of an earlier message; a longer one fails the receive (UCX: truncated)
         first = bytearray(HEADER_SIZE + INLINE_MAX)
         sending, self._sending = self._sending, None  # the request's send completes as its reply comes
-        await self._bounded(self._after_sent(sending, _request(self._ep.recv(first))), timeout, "receive")
+        await self._bounded(self._after_sent(sending, self._post_recv(first)), timeout, "receive")
         length, flags = decode_header(first, self.max_frame if max_frame is None else max_frame, with_flags=True)
         if flags & FLAG_INLINE:
             if length > INLINE_MAX:
@@ -356,7 +566,7 @@ class Connection:
             return decode_body(memoryview(first)[HEADER_SIZE:HEADER_SIZE + length])
         body: bytearray | mmap.mmap = bytearray(length) if length < MAPPED_BODY_MIN else mmap.mmap(-1, length)
         if length:
-            await self._bounded(self._ep.recv(body), timeout, "receive")
+            await self._bounded(self._post_recv(body), timeout, "receive")
         return decode_body(body)
 
     async def send_payloads(self, buffers: Sequence[Any], timeout: float = DEFAULT_TIMEOUT) -> None:
@@ -402,7 +612,7 @@ class Connection:
                         for buf, n in zip(items[start:end], sizes[start:end]):
                             source[offset:offset + n] = _byte_view(buf)
                             offset += n
-                inflight.append((_request(self._ep.send(source)), stage))
+                inflight.append((self._post_send(source), stage))
                 if stage is not None:
                     staged += 1
                 while staged >= STAGED_WINDOW:
@@ -433,7 +643,7 @@ class Connection:
                     target = _canary_view(items[start]) if sizes[start] >= _CANARY else None
                     if target is not None:
                         _set_canaries(target, sizes[start:end], canary)
-                    inflight.append((_request(self._ep.recv(items[start])), start, end, target, None))
+                    inflight.append((self._post_recv(items[start]), start, end, target, None))
                     continue
                 stage = None
                 span = _span(items[start:end], sizes[start:end], writable=True)
@@ -445,7 +655,7 @@ class Connection:
                 else:
                     target = memoryview(span).cast("B")
                 _set_canaries(target, sizes[start:end], canary)
-                inflight.append((_request(self._ep.recv(target)), start, end, target, stage))
+                inflight.append((self._post_recv(target), start, end, target, stage))
                 while staged >= STAGED_WINDOW:
                     entry = inflight.popleft()
                     await self._recv_group(entry, items, sizes, canary)
@@ -498,7 +708,7 @@ class Connection:
         announces a body to follow as the next message.
         """
         await self._settle(timeout)
-        await self._bounded(self._ep.send(data), timeout, "send")
+        await self._bounded(self._post_send(data), timeout, "send")
 
     def abort(self) -> None:
         """Close at once; outstanding UCX requests are cancelled. Idempotent.
@@ -555,6 +765,8 @@ class Connection:
                 ep.abort(period=CLOSE_PERIOD_NS)
             except Exception:  # noqa: BLE001
                 pass
+        if _driver is not None:
+            _driver.kick()
 
 
 def _abort_endpoint(ep: Any, peer: str) -> None:
@@ -562,6 +774,8 @@ def _abort_endpoint(ep: Any, peer: str) -> None:
         ep.abort(period=CLOSE_PERIOD_NS)
     except Exception as exc:  # noqa: BLE001 - closing must not raise
         log.debug("abort of %s: %s", peer, exc)
+    if _driver is not None:  # the endpoint's requests were cancelled: complete their futures
+        _driver.kick()
 
 
 def _nbytes(buffer: Any) -> int:
@@ -726,9 +940,72 @@ def _orphan(handshake: asyncio.Future[Any]) -> None:
     handshake.add_done_callback(reap)
 
 
+# The tag exchange that opens every UCX connection, as ucxx's own does it (so either side may be
+# ucxx's): each side streams its receive tag and a checksum of it; the listener sends first.
+_PEER_INFO = struct.Struct("QQ")
+
+
+async def _exchange_tags(driver: _LoopProgress, raw: Any, listener: bool) -> dict[str, int]:
+    """Exchange message tags with the peer over ``raw`` (a ucxx endpoint), loop mode.
+
+    Unbounded here: the caller bounds it, and aborting ``raw`` ends it (the
+    driver holds both buffers until UCX completes their requests).
+    """
+    tag = hash64bits("msg_tag", os.urandom(16), raw.handle)
+    mine = _PEER_INFO.pack(tag, hash64bits(tag))
+    theirs = bytearray(_PEER_INFO.size)
+
+    def send() -> asyncio.Future[None]:
+        return driver.watch(raw.stream_send(Array(mine)), mine)
+
+    def receive() -> asyncio.Future[None]:
+        return driver.watch(raw.stream_recv(Array(theirs)), theirs)
+
+    for step in (send, receive) if listener else (receive, send):
+        await step()
+    peer_tag, checksum = _PEER_INFO.unpack(theirs)
+    if checksum != hash64bits(peer_tag):
+        raise ProtocolError("the peer's UCX handshake carried a bad checksum")
+    return {"msg_send": peer_tag, "msg_recv": tag}
+
+
+def _close_raw(raw: Any) -> None:
+    """Abort a ucxx endpoint that never became a Connection (its requests are cancelled)."""
+    try:
+        raw.close_blocking(period=CLOSE_PERIOD_NS)
+    except Exception as exc:  # noqa: BLE001 - closing must not raise
+        log.debug("abort of a half-open endpoint: %s", exc)
+    if _driver is not None:
+        _driver.kick()
+
+
+async def _connect_loop_driven(driver: _LoopProgress, host: str, port: int, timeout: float) -> Connection:
+    ctx = ucxx.core._get_ctx()
+    try:
+        raw = ucx_api.UCXEndpoint.create(ctx.worker, host, port, True)
+    except Exception as exc:
+        raise TransportError(f"cannot connect to {host}:{port}: {type(exc).__name__}: {exc}") from exc
+    driver.kick()
+    try:
+        async with asyncio.timeout(timeout):
+            tags = await _exchange_tags(driver, raw, listener=False)
+    except TimeoutError as exc:
+        _close_raw(raw)
+        raise OpTimeout(f"connect to {host}:{port} timed out after {timeout:.1f}s") from exc
+    except BaseException as exc:
+        _close_raw(raw)
+        if isinstance(exc, (asyncio.CancelledError, DKVError)) or not isinstance(exc, Exception):
+            raise
+        _drop_traceback(exc)
+        raise TransportError(f"cannot connect to {host}:{port}: {type(exc).__name__}: {exc}") from exc
+    return Connection(Endpoint(endpoint=raw, ctx=ctx, tags=tags), f"{host}:{port}")
+
+
 async def connect(host: str, port: int, timeout: float = CONNECT_TIMEOUT) -> Connection:
     """Open a listener-path endpoint to ``host:port`` (peer-failure detection on) within ``timeout``."""
     init_transport()
+    if _driver is not None:
+        return await _connect_loop_driven(_driven_here(), host, port, timeout)
     handshake = asyncio.ensure_future(
         ucxx.create_endpoint(host, port, endpoint_error_handling=True, connect_timeout=HANDSHAKE_NEVER_TIMES_OUT))
     try:
@@ -776,8 +1053,11 @@ class Listener:
         # freed memory of the node. It is never timed out; a stalled one ends when the client
         # completes it or its endpoint fails (the client died).
         try:
-            self._listener = ucxx.create_listener(_accept, port=port, endpoint_error_handling=True,
-                                                  connect_timeout=HANDSHAKE_NEVER_TIMES_OUT)
+            if _driver is not None:
+                self._listener = self._listen_loop_driven(_driven_here(), _accept, port)
+            else:
+                self._listener = ucxx.create_listener(_accept, port=port, endpoint_error_handling=True,
+                                                      connect_timeout=HANDSHAKE_NEVER_TIMES_OUT)
         except ucxx.exceptions.UCXBusyError as exc:
             raise TransportError(f"cannot listen: port {port} is in use by another process") from exc
         hold_transport()
@@ -790,6 +1070,42 @@ class Listener:
         self._reaper = StuckConnectionReaper(self.port)
         self._reaper.start()
 
+    def _listen_loop_driven(self, driver: _LoopProgress, accept: Callable[[Any], Awaitable[None]], port: int) -> Any:
+        """A raw ucxx listener whose connections are handshaken on the loop (loop mode).
+
+        UCX calls back from progress, so on the loop thread. Each accepted
+        connection's handshake and handler run as one task, kept referenced
+        until it ends.
+        """
+        ctx = ucxx.core._get_ctx()
+        tasks: set[asyncio.Task[None]] = set()
+        self._accepting = tasks
+
+        async def handshake_then_serve(raw: Any) -> None:
+            try:
+                tags = await _exchange_tags(driver, raw, listener=True)
+            except asyncio.CancelledError:
+                _close_raw(raw)
+                raise
+            except Exception as exc:  # noqa: BLE001 - a peer that failed its handshake: it goes
+                log.debug("UCX handshake of an incoming connection: %s", exc)
+                _close_raw(raw)
+                return
+            try:
+                await accept(Endpoint(endpoint=raw, ctx=ctx, tags=tags))
+            except Exception:  # noqa: BLE001 - the handler owns its errors; one that escapes is logged
+                log.exception("UCX connection handler failed")
+
+        def accepted(raw: Any) -> None:
+            task = driver.loop.create_task(handshake_then_serve(raw))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+        listener = ucx_api.UCXListener.create(worker=ctx.worker, port=port, cb_func=accepted,
+                                              deliver_endpoint=True)
+        driver.kick()
+        return listener
+
     @property
     def stuck_connections_reset(self) -> int:
         """Connections stuck in UCX's connection manager that this listener reset (see the class docstring)."""
@@ -800,6 +1116,8 @@ class Listener:
             self._reaper.close()
             self._reaper = None
         if self._listener is not None:
-            self._listener.close()
+            close = getattr(self._listener, "close", None)  # ucxx's listener; a raw one stops when dropped
+            if close is not None:
+                close()
             self._listener = None
             drop_transport()

@@ -25,7 +25,7 @@ def machine_info() -> dict[str, Any]:
         "numpy": np.__version__,
         "torch": torch.__version__,
         "ucxx": getattr(ucxx, "__version__", "?"),
-        "ucx_progress_mode": os.environ.get("DKV_UCX_PROGRESS", "thread"),
+        "ucx_progress_mode": os.environ.get("DKV_UCX_PROGRESS", "loop"),
         "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
         "loadavg_end": list(os.getloadavg()),
     }

@@ -41,7 +41,7 @@ Runs are interleaved (each round measures memcpy, raw ucxx, local, listener once
 ratio compares numbers from the same time window. The server not being measured (node or raw
 child) is held with SIGSTOP meanwhile, so every measurement has exactly two active processes (or
 one, for memcpy), as it would on a real pair of peers; this also keeps ucxx's busy-waiting
-``blocking``/``polling`` modes (``DKV_UCX_PROGRESS``) comparable with the default ``thread`` mode.
+``blocking``/``polling`` modes (``DKV_UCX_PROGRESS``) comparable with the default ``loop`` mode.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ CHILD_STOP_TIMEOUT = 5.0
 RAW_IDLE_TIMEOUT = 600.0
 GOAL_LOCAL_READ_VS_MEMCPY = 0.5
 GOAL_LISTENER_VS_RAW = 0.8
-PROGRESS_MODE = os.environ.get("DKV_UCX_PROGRESS", "thread")
+PROGRESS_MODE = os.environ.get("DKV_UCX_PROGRESS", "loop")
 DKV_PATHS = ("local", "listener", "local_nosum", "listener_nosum")  # *_nosum: checksums=False
 
 

@@ -5,7 +5,7 @@ For each mode a child process runs a dkv.transport Listener (DKV_UCX_PROGRESS=mo
 waits in recv_message on the one connection this process opens (an idle node's state); the
 child's CPU time (utime+stime from /proc) is read over --seconds.
 
-Usage: probe_transport_idle.py [--modes thread,thread-delayed,blocking,polling] [--seconds 5]
+Usage: probe_transport_idle.py [--modes loop,thread,thread-delayed,blocking,polling] [--seconds 5]
 """
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ async def measure(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--serve", action="store_true")
-    p.add_argument("--modes", default="thread,thread-delayed,blocking,polling")
+    p.add_argument("--modes", default="loop,thread,thread-delayed,blocking,polling")
     p.add_argument("--seconds", type=float, default=5.0)
     a = p.parse_args()
     asyncio.run(serve() if a.serve else measure(a))

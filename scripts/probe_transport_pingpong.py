@@ -173,7 +173,7 @@ async def client(args: argparse.Namespace) -> None:
             if r:  # round 0 is warm-up
                 results.setdefault(name, []).append(v)
     med = {k: statistics.median(v) for k, v in results.items()}
-    mode = os.environ.get("DKV_UCX_PROGRESS", "thread")
+    mode = os.environ.get("DKV_UCX_PROGRESS", "loop")
     print(f"mode={mode} rounds={args.rounds} blocks={args.blocks}")
     for k, v in med.items():
         print(f"  {k:16s} {v:8.4f}")

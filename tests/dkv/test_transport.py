@@ -262,3 +262,100 @@ async def test_a_send_to_a_peer_that_went_away_fails_at_the_next_operation_withi
         assert client.closed
 
     await _run(check)
+
+
+# ---- progress driven by the loop (the default mode), and ucxx's thread mode across a connection ---
+
+import time  # noqa: E402
+
+from dkv.errors import OpTimeout  # noqa: E402
+
+PEER = Path(__file__).with_name("transport_peer.py")
+PEER_BOUND = 120.0
+
+
+def _start_peer(tmp_path: Path, mode: str) -> tuple[subprocess.Popen[str], int]:
+    """A transport_peer.py server in progress mode ``mode``, and its port once it listens."""
+    port_file = tmp_path / f"port-{mode}"
+    server = subprocess.Popen([sys.executable, str(PEER), "serve", str(port_file)], cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env={**os.environ, "PYTHONPATH": str(ROOT), "DKV_UCX_PROGRESS": mode})
+    deadline = time.monotonic() + PEER_BOUND
+    while not port_file.exists():
+        if server.poll() is not None or time.monotonic() > deadline:
+            server.kill()
+            raise AssertionError(f"the {mode} peer never listened: {server.communicate()[0][-3000:]}")
+        time.sleep(0.05)
+    return server, int(port_file.read_text())
+
+
+def _stop(server: subprocess.Popen[str]) -> None:
+    if server.poll() is None:
+        server.kill()
+    server.communicate(timeout=30)
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def test_ucx_is_progressed_by_the_loop_that_drives_it_unless_told_otherwise() -> None:
+    async def mode() -> str | None:
+        return transport.active_progress_mode()
+
+    assert await on_ucx(mode()) == os.environ.get("DKV_UCX_PROGRESS", "loop")
+
+
+@pytest.mark.parametrize("server_mode, client_mode", [("loop", "thread"), ("thread", "loop"), ("loop", "loop")])
+def test_peers_in_either_progress_mode_handshake_and_exchange_bit_exact(tmp_path: Path, server_mode: str,
+                                                                       client_mode: str) -> None:
+    # the loop mode's handshake is dKV's own, on ucxx's raw requests: it must stay ucxx's on the wire
+    server, port = _start_peer(tmp_path, server_mode)
+    try:
+        done = subprocess.run([sys.executable, str(PEER), "ping", "127.0.0.1", str(port)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=PEER_BOUND,
+                              env={**os.environ, "PYTHONPATH": str(ROOT), "DKV_UCX_PROGRESS": client_mode})
+        assert done.returncode == 0 and done.stdout.strip().endswith(f"OK {client_mode}"), (
+            done.stdout + done.stderr[-3000:])
+        assert server.wait(PEER_BOUND) == 0, "the server must end cleanly once asked"
+    finally:
+        _stop(server)
+
+
+async def test_a_loop_driven_server_waiting_on_a_receive_sleeps_instead_of_spinning(tmp_path: Path) -> None:
+    server, port = _start_peer(tmp_path, "loop")
+    try:
+        async def idle_cost() -> float:
+            conn = await transport.connect("127.0.0.1", port)
+            try:
+                await conn.send_message({"op": "echo"})
+                assert await conn.recv_message() == {"op": "echo"}
+                before = _cpu_seconds(server.pid)  # the server now waits in a receive, as an idle node does
+                await asyncio.sleep(3.0)
+                used = _cpu_seconds(server.pid) - before
+                await conn.send_message({"op": "bye"})
+                await conn.recv_message()
+                return used
+            finally:
+                await conn.close()
+
+        used = await on_ucx(idle_cost())
+        # a loop that yielded until the receive completed would take the whole 3 s of a core
+        assert used < 1.0, f"an idle loop-driven server used {used:.2f} s of CPU in 3 s"
+    finally:
+        _stop(server)
+
+
+async def test_a_receive_that_times_out_holds_its_buffer_until_ucx_cancels_it_then_lets_go() -> None:
+    async def check(client: transport.Connection, server: transport.Connection) -> None:
+        before = transport.pending_requests()
+        with pytest.raises(OpTimeout):
+            await server.recv_message(timeout=0.3)
+        assert server.closed, "a timed-out receive aborts its connection"
+        deadline = time.monotonic() + 30
+        while transport.pending_requests() > before:  # the cancelled receive completes, its buffer goes
+            assert time.monotonic() < deadline, f"{transport.pending_requests()} requests never completed"
+            await asyncio.sleep(0.01)
+
+    await _run(check)
