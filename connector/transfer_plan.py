@@ -10,6 +10,7 @@ block and TP shard is per-block Python work; :meth:`TransferPlan.keys` and
 
 from __future__ import annotations
 
+import collections
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -65,8 +66,8 @@ def plan_transfer(block_ids: Mapping[str, Sequence[int]], block_hashes: Mapping[
     """Validate one transfer against a replica's shard tensors (``shards[leaf]``); ``ValueError`` on bad input.
 
     Every leaf of ``block_ids`` must be known and have as many hashes as ids;
-    hashes are 8 or 32 bytes; block ids are integers in ``1..pages-1`` (row 0
-    is the null page).
+    hashes are 8 or 32 bytes; block ids are distinct integers in
+    ``1..pages-1`` (row 0 is the null page).
     """
     runs: list[LeafRun] = []
     for leaf, ids in block_ids.items():
@@ -90,5 +91,8 @@ def plan_transfer(block_ids: Mapping[str, Sequence[int]], block_hashes: Mapping[
         if low < 1 or high >= pages:
             bad = low if low < 1 else high
             raise ValueError(f"leaf {leaf!r}: block id {bad} outside 1..{pages - 1}")
+        if len(set(rows)) != len(rows):  # one row cannot hold two blocks (and a checked row is not written again)
+            twice = next(r for r, n in collections.Counter(rows).items() if n > 1)
+            raise ValueError(f"leaf {leaf!r}: block id {twice} appears more than once in one transfer")
         runs.append(LeafRun(leaf, tensors, rows, hashes))
     return TransferPlan(runs)

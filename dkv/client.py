@@ -57,7 +57,7 @@ from dkv.store import WRITE
 from dkv.handover import redeem
 from dkv.lease_slots import LeaseSlots
 from dkv.local_channel import StreamConnection, connect_local
-from dkv.transport import Connection, connect, hold_transport, release_transport
+from dkv.transport import Connection, connect, hold_transport, progress_now, release_transport
 from dkv.units import parse_address
 from dkv.wire import (
     MAX_FRAME,
@@ -88,6 +88,9 @@ MAX_REMEMBERED_LEASES = 4096  # slot maps kept for loads to come (a lease past t
 LEASE_CLOCK_MARGIN = 0.5  # a same-host copy starts at least this long before the node's lease TTL runs out
 END_FLUSH_DELAY = 0.05  # a loaded lease no lookup ended by then is ended by an ``end`` request of its own
 FRAME_SLACK = 64  # bytes kept free in every estimated frame (array/map headers that grow with a count)
+# A listener read checks each block as its message lands, and lets UCX progress after every this many
+# bytes checked, so that the node's later messages keep moving meanwhile (UCX answers its rendezvous).
+PROGRESS_EVERY_BYTES = 256 * 1024
 CHECKSUM_WIRE_BYTES = CHECKSUM_SIZE + 2  # one checksum in a write request: msgpack bin8
 
 
@@ -660,7 +663,9 @@ class NodeClient:
                    end_lease: bool = True) -> None:
         """Read ``keys`` (all covered by ``lease_id``) into ``dests``, one writable buffer per key.
 
-        Each destination must be exactly the block's size. All or nothing from
+        Each destination must be exactly the block's size, and no two may
+        overlap (a block is checked once its bytes are whole in its
+        destination, while later ones still arrive). All or nothing from
         the caller's view: on any error some destinations may hold partial data
         and must not be used; nothing writes into them after this raises.
 
@@ -734,7 +739,10 @@ class NodeClient:
         slot, not the bytes the caller got, and hold the pins longer.
         """
 
+        known: list[bool | None] = []  # per block: checked while later payloads were still arriving
+
         async def run(session: _Session) -> Any:
+            known[:] = [None] * len(views)  # (a run is tried once; afresh if it ever were again)
             mapping = self._arena(session)
             reply = await session.request(
                 {"op": "read", "lease": lease_id, "keys": wire_keys, "end": end_lease, "shm": mapping is not None},
@@ -753,23 +761,40 @@ class NodeClient:
             if mapping is not None:
                 await self._copy_out(session, mapping, reply, views)
             else:
-                await session.conn.recv_payloads([v for v in views if v.nbytes], self.timeout)
+                landed = None
+                if self.checksums:
+                    sums = _sums_for(reply.get("sums"), len(views))
+
+                    def landed(start: int, stop: int) -> None:  # check these while the rest arrives
+                        hashed = 0
+                        for i in range(start, stop):
+                            key, view = wire_keys[i], views[i]
+                            known[i] = checksum_matches(key[0], key[1], key[2], view, sums[i])
+                            hashed += view.nbytes
+                            if hashed >= PROGRESS_EVERY_BYTES:
+                                progress_now()  # the node's next messages keep coming meanwhile
+                                hashed = 0
+                await session.conn.recv_payloads(views, self.timeout, landed)
             return reply.get("sums")
 
         sums = await self._call(run, idempotent=False)
         if self.checksums:
-            self._check_sums(wire_keys, views, sums)
+            self._check_sums(wire_keys, views, sums, known)
 
-    def _check_sums(self, wire_keys: Sequence[list[Any]], views: Sequence[memoryview], sums: Any) -> None:
+    def _check_sums(self, wire_keys: Sequence[list[Any]], views: Sequence[memoryview], sums: Any,
+                    known: Sequence[bool | None] = ()) -> None:
         """:class:`ChecksumMismatch` unless every block's bytes match the checksum the node returned for it.
 
         A block with no checksum (stored by a writer that sent none, or a node
         that returns none) fails too: a node cannot opt a read out of the check.
+        ``known[i]``, where given and not None, is block ``i``'s verdict from a
+        check made once its bytes were whole in its destination (nothing
+        writes there after that).
         """
-        if not isinstance(sums, list) or len(sums) != len(views):
-            sums = [None] * len(views)
-        bad = [i for i, (key, view, checksum) in enumerate(zip(wire_keys, views, sums))
-               if not checksum_matches(key[0], key[1], key[2], view, checksum)]
+        sums = _sums_for(sums, len(views))
+        known = list(known) if len(known) == len(views) else [None] * len(views)
+        bad = [i for i, (key, view, checksum, verdict) in enumerate(zip(wire_keys, views, sums, known))
+               if not (verdict if verdict is not None else checksum_matches(key[0], key[1], key[2], view, checksum))]
         if bad:
             leaf, shard, block_hash = wire_keys[bad[0]]
             unsummed = sum(1 for i in bad if not is_checksum(sums[i]))
@@ -995,6 +1020,11 @@ def _identity(fd: int) -> tuple[int, int]:
 def _merge_masks(into: dict[str, list[bool]], part: dict[str, list[bool]]) -> None:
     for leaf, mask in part.items():
         into.setdefault(leaf, []).extend(mask)
+
+
+def _sums_for(sums: Any, count: int) -> list[Any]:
+    """A read reply's checksums, one per block; all ``None`` (each fails its check) when malformed."""
+    return sums if isinstance(sums, list) and len(sums) == count else [None] * count
 
 
 def _wire_keys(keys: Sequence[BlockKey]) -> list[list[Any]]:

@@ -317,11 +317,14 @@ class StreamConnection:
         for buffer in buffers:
             await self._send(buffer, timeout, "payload send")
 
-    async def recv_payloads(self, buffers: Sequence[Any], timeout: float = DEFAULT_TIMEOUT) -> None:
-        """Fill each buffer, in order."""
+    async def recv_payloads(self, buffers: Sequence[Any], timeout: float = DEFAULT_TIMEOUT,
+                            landed: Callable[[int, int], None] | None = None) -> None:
+        """Fill each buffer, in order; then ``landed(0, len(buffers))`` (as :meth:`dkv.transport.Connection.recv_payloads`)."""
         views = [view for view in (memoryview(b).cast("B") for b in buffers) if view.nbytes]
         if views:
             await self._receive(_Receive(self._loop.create_future(), self.max_frame, views), timeout)
+        if landed is not None and buffers:
+            landed(0, len(buffers))
 
     async def send_raw(self, data: bytes, timeout: float = DEFAULT_TIMEOUT) -> None:
         """Send bytes with no framing (tests of the node's defences use this)."""

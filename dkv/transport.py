@@ -320,6 +320,21 @@ def _drive_from(loop: asyncio.AbstractEventLoop) -> None:
 _mode = "loop"
 
 
+def progress_now() -> None:
+    """Progress UCX once, now (loop mode, on the loop that drives it; else nothing).
+
+    Long work on the loop (checking blocks that landed while later ones
+    arrive) calls this between pieces, so that transfers in flight keep
+    moving: UCX answers a peer's rendezvous only when progressed.
+    """
+    driver = _driver
+    if driver is not None and not driver._closed and not driver._queued:
+        driver.worker.progress()
+        if driver._pending:
+            driver._complete()
+        driver.kick()  # arm after the work, on the loop's next turn
+
+
 def pending_requests() -> int:
     """UCX requests posted and not yet complete, loop mode (each holds its buffer); 0 in other modes."""
     return _driver.pending if _driver is not None else 0
@@ -442,6 +457,9 @@ async def stop_progress() -> None:
             log.debug("UCX reset: %s", exc)
             _held_after_stop.extend(held)  # the worker lives on with them: their buffers too
             ucxx.stop_notifier_thread()
+
+
+Landed = Callable[[int, int], None]  # recv_payloads' report of a run of buffers that is whole: (start, stop)
 
 
 class Connection:
@@ -580,18 +598,28 @@ class Connection:
         if items or sending is not None:
             await self._bounded(self._after_sent(sending, self._send_groups(items)), timeout, "payload send")
 
-    async def recv_payloads(self, buffers: Sequence[Any], timeout: float = DEFAULT_TIMEOUT) -> None:
+    async def recv_payloads(self, buffers: Sequence[Any], timeout: float = DEFAULT_TIMEOUT,
+                            landed: Landed | None = None) -> None:
         """Receive into the non-empty buffers, in order, the messages :func:`payload_plan` gives their sizes.
 
         On a failure or timeout the endpoint is aborted before the error is
         raised: nothing lands in a buffer later. A group's message shorter
         than the group never hands on bytes it did not carry (see
-        :meth:`_recv_group`).
+        :meth:`_recv_group`). ``landed(start, stop)`` is called, on the loop,
+        as each run ``buffers[start:stop]`` is whole, while later messages
+        are still arriving (a reader checks those blocks meanwhile); it must
+        not raise. Every non-empty buffer is in a run by the time this returns.
         """
-        items = [b for b in buffers if _nbytes(b)]
+        nonempty = [i for i, b in enumerate(buffers) if _nbytes(b)]
+        items = [buffers[i] for i in nonempty]
         sending, self._sending = self._sending, None
         if items or sending is not None:
-            await self._bounded(self._after_sent(sending, self._recv_groups(items)), timeout, "payload receive")
+            on_group = None
+            if landed is not None:
+                def on_group(start: int, end: int) -> None:
+                    landed(nonempty[start], nonempty[end - 1] + 1)
+            await self._bounded(self._after_sent(sending, self._recv_groups(items, on_group)), timeout,
+                                "payload receive")
 
     async def _send_groups(self, items: list[Any]) -> None:
         sizes = [_nbytes(b) for b in items]
@@ -632,7 +660,7 @@ class Connection:
             self.abort()  # before anything else: no request of this call runs on, staging is dropped
             raise
 
-    async def _recv_groups(self, items: list[Any]) -> None:
+    async def _recv_groups(self, items: list[Any], landed: Landed | None = None) -> None:
         sizes = [_nbytes(b) for b in items]
         canary = os.urandom(_CANARY)
         inflight: collections.deque[tuple[Any, ...]] = collections.deque()
@@ -658,17 +686,18 @@ class Connection:
                 inflight.append((self._post_recv(target), start, end, target, stage))
                 while staged >= STAGED_WINDOW:
                     entry = inflight.popleft()
-                    await self._recv_group(entry, items, sizes, canary)
+                    await self._recv_group(entry, items, sizes, canary, landed)
                     if entry[4] is not None:
                         staged -= 1
             while inflight:
                 entry = inflight.popleft()
-                await self._recv_group(entry, items, sizes, canary)
+                await self._recv_group(entry, items, sizes, canary, landed)
         except BaseException:
             self.abort()  # first: no receive of this call lands later (staging in flight is dropped)
             raise
 
-    async def _recv_group(self, entry: tuple[Any, ...], items: list[Any], sizes: list[int], canary: bytes) -> None:
+    async def _recv_group(self, entry: tuple[Any, ...], items: list[Any], sizes: list[int], canary: bytes,
+                          landed: Landed | None = None) -> None:
         """Complete one posted receive; scatter a staged group.
 
         UCX does not say how long a received message was. So each buffer of a
@@ -690,16 +719,17 @@ class Connection:
         """
         task, start, end, target, stage = entry
         await task
-        if target is None:
-            return
-        if _first_short(target, sizes[start:end], canary) is not None:
-            raise ProtocolError(f"a payload message from {self.peer} was shorter than its group")
-        if stage is not None:
-            offset = 0
-            for buf, n in zip(items[start:end], sizes[start:end]):
-                _byte_view(buf)[:] = target[offset:offset + n]
-                offset += n
-            _give_staging(stage)
+        if target is not None:
+            if _first_short(target, sizes[start:end], canary) is not None:
+                raise ProtocolError(f"a payload message from {self.peer} was shorter than its group")
+            if stage is not None:
+                offset = 0
+                for buf, n in zip(items[start:end], sizes[start:end]):
+                    _byte_view(buf)[:] = target[offset:offset + n]
+                    offset += n
+                _give_staging(stage)
+        if landed is not None:
+            landed(start, end)
 
     async def send_raw(self, data: bytes, timeout: float = DEFAULT_TIMEOUT) -> None:
         """Send bytes as one UCX message with no framing (tests of the node's defences use this).

@@ -273,6 +273,7 @@ def test_a_load_that_moves_nothing_plans_nothing() -> None:
     ({"full": [1, 2]}, {"full": chain(1)}, "2 block ids for 1 hashes"),
     ({"full": [0]}, {"full": chain(1)}, "outside 1..15"),
     ({"full": [PAGES]}, {"full": chain(1)}, "outside 1..15"),
+    ({"full": [2, 2]}, {"full": chain(2)}, "appears more than once"),
     ({"full": [1.0]}, {"full": chain(1)}, "integers"),
     ({"full": [1]}, {"full": [b"short"]}, "8 bytes"),
     ({"full": [1]}, {"full": ["a string"]}, "must be bytes"),

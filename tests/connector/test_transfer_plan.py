@@ -52,6 +52,7 @@ def test_numpy_block_ids_and_bytes_like_hashes_are_accepted_as_ints_and_bytes() 
     ({"full": [1]}, {"full": ["not bytes"]}, "must be bytes"),
     ({"full": [0]}, {"full": H[:1]}, "block id 0 outside 1..7"),
     ({"full": [1, 8]}, {"full": H[:2]}, "block id 8 outside 1..7"),
+    ({"full": [3, 1, 3]}, {"full": H[:3]}, "block id 3 appears more than once"),
     ({"full": [1.0]}, {"full": H[:1]}, "must be integers"),
     ({"full": ["1"]}, {"full": H[:1]}, "must be integers"),
 ])

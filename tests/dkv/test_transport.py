@@ -190,6 +190,29 @@ async def test_payloads_of_mixed_sizes_arrive_bit_exact_both_ways(src_adjacent: 
     await _run(check)
 
 
+@pytest.mark.parametrize("dst_adjacent", [False, True], ids=["scattered", "spanned-dest"])
+async def test_each_run_of_payloads_is_reported_once_whole_and_in_order_while_later_ones_arrive(
+        dst_adjacent: bool) -> None:
+    async def check(client: transport.Connection, server: transport.Connection) -> None:
+        sources = _sources(MIXED, True)
+        dests = _dests(MIXED, dst_adjacent)
+        runs: list[tuple[int, int]] = []
+        whole_when_reported: list[bool] = []
+
+        def landed(start: int, stop: int) -> None:
+            runs.append((start, stop))
+            whole_when_reported.append(all(bytes(dests[i]) == bytes(sources[i]) for i in range(start, stop)))
+
+        await asyncio.gather(server.send_payloads(sources), client.recv_payloads(dests, landed=landed))
+        assert all(whole_when_reported), "a run was reported before its bytes were all in place"
+        reported = [i for start, stop in runs for i in range(start, stop)]
+        assert reported == sorted(reported), "runs are reported in order, each once"
+        assert set(reported) >= {i for i, n in enumerate(MIXED) if n}, "every non-empty buffer is in a run"
+        assert len(runs) > 1, "runs are reported group by group, not once at the end"
+
+    await _run(check)
+
+
 async def test_a_group_sent_one_block_per_message_is_refused_and_hands_on_nothing() -> None:
     """A group is one message: UCX does not say where a short one stopped, so its rest has no right offset."""
     async def check(client: transport.Connection, server: transport.Connection) -> None:
