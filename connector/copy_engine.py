@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 
@@ -59,6 +60,19 @@ def host_buffer(row: torch.Tensor) -> Any:
 Rows = Sequence[tuple[torch.Tensor, int]]  # (a leaf's shard tensor, block id): one device row each
 
 
+def _row_source(tensor: torch.Tensor) -> tuple[Any, int]:
+    """What rows of a CPU tensor are cut from: ``(flat byte view, row bytes)``, or ``(array, 0)`` to index.
+
+    A slice of a flat memoryview costs a fraction of a numpy row and its
+    memoryview, per row of every transfer; a tensor whose rows do not lie
+    back to back is indexed as an array.
+    """
+    array = tensor.numpy()
+    if array.ndim >= 1 and array.flags.c_contiguous and array.shape[0]:
+        return memoryview(array.reshape(-1).view(np.uint8)), array.nbytes // array.shape[0]
+    return array, 0
+
+
 class CopyEngine:
     """Copies for one device (see module docstring).
 
@@ -69,16 +83,18 @@ class CopyEngine:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
-        self._numpy: dict[int, Any] = {}
+        self._numpy: dict[int, tuple[Any, int]] = {}
 
     def _cpu_views(self, rows: Rows) -> list[Any]:
+        """A byte view of each row: a slice of one flat view of its tensor where the tensor is contiguous."""
         cache = self._numpy
         views = []
         for tensor, block_id in rows:
-            array = cache.get(id(tensor))
-            if array is None:
-                array = cache[id(tensor)] = tensor.numpy()
-            views.append(array[block_id])
+            entry = cache.get(id(tensor))
+            if entry is None:
+                entry = cache[id(tensor)] = _row_source(tensor)
+            whole, row_bytes = entry
+            views.append(whole[block_id * row_bytes:(block_id + 1) * row_bytes] if row_bytes else whole[block_id])
         return views
 
     def load_targets(self, rows: Rows) -> tuple[list[Any], Callable[[], Completion]]:

@@ -187,6 +187,8 @@ def _check_reply(reply: dict[str, Any]) -> dict[str, Any]:
 
 def _byte_view(buffer: Any) -> memoryview:
     """A flat writable/readable byte view of a buffer (numpy array, bytearray, CPU tensor...)."""
+    if type(buffer) is memoryview and buffer.format == "B" and buffer.ndim == 1:  # already one (a row's)
+        return buffer
     if hasattr(buffer, "numpy") and hasattr(buffer, "is_contiguous"):  # a CPU torch tensor
         buffer = buffer.numpy()
     return memoryview(buffer).cast("B")
