@@ -253,9 +253,10 @@ class _LoopProgress:
                     self._complete()
                 if worker.arm():  # nothing left to do: the descriptor wakes the loop at the next event
                     return
-        except Exception as exc:  # noqa: BLE001 - progress must go on; the tick retries
+        except Exception as exc:  # noqa: BLE001 - progress must go on: the tick retries (no spin on a fault)
             log.debug("UCX progress: %s", exc)
-        self.kick()
+            return
+        self.kick()  # UCX still had work after these passes: again after the loop's other callbacks
 
     def _complete(self) -> None:
         pending = self._pending
@@ -488,21 +489,18 @@ class Connection:
     def closed(self) -> bool:
         return self._closed or self._ep is None or self._ep.closed
 
-    def _post_send(self, buffer: Any) -> asyncio.Future[Any]:
-        """Post one UCX message of ``buffer``'s bytes; a future for its completion."""
-        if self._driver is None:
-            return _request(self._ep.send(buffer))
-        if self._ep is None:
-            raise TransportError(f"connection to {self.peer} is closed")
-        return self._driver.watch(self._raw.tag_send(Array(buffer), self._send_tag), buffer)
+    def _post(self, buffer: Any, send: bool) -> asyncio.Future[Any]:
+        """Post one UCX message of ``buffer``'s bytes, or (``send`` false) a receive of the next one into it.
 
-    def _post_recv(self, buffer: Any) -> asyncio.Future[Any]:
-        """Post a receive of the next UCX message into ``buffer``; a future for its completion."""
+        Returns a future for the request's completion.
+        """
         if self._driver is None:
-            return _request(self._ep.recv(buffer))
+            return _request(self._ep.send(buffer) if send else self._ep.recv(buffer))
         if self._ep is None:
             raise TransportError(f"connection to {self.peer} is closed")
-        return self._driver.watch(self._raw.tag_recv(Array(buffer), self._recv_tag), buffer)
+        raw = self._raw
+        request = raw.tag_send(Array(buffer), self._send_tag) if send else raw.tag_recv(Array(buffer), self._recv_tag)
+        return self._driver.watch(request, buffer)
 
     async def _bounded(self, awaitable: Awaitable[Any], timeout: float, what: str) -> Any:
         try:
@@ -535,12 +533,12 @@ class Connection:
             raise TransportError(f"connection to {self.peer} is closed")
         await self._settle(timeout)
         if len(body) <= INLINE_MAX:  # one UCX message: header and body together
-            self._sending = self._post_send(encode_header(len(body), FLAG_INLINE) + body)
+            self._sending = self._post(encode_header(len(body), FLAG_INLINE) + body, send=True)
             return
 
         async def _send() -> None:
-            await self._post_send(encode_header(len(body)))
-            await self._post_send(body)
+            await self._post(encode_header(len(body)), send=True)
+            await self._post(body, send=True)
 
         await self._bounded(_send(), timeout, "send")
 
@@ -576,7 +574,7 @@ class Connection:
         # the bytes of an earlier message; a longer one fails the receive (UCX: truncated)
         first = bytearray(HEADER_SIZE + INLINE_MAX)
         sending, self._sending = self._sending, None  # the request's send completes as its reply comes
-        await self._bounded(self._after_sent(sending, self._post_recv(first)), timeout, "receive")
+        await self._bounded(self._after_sent(sending, self._post(first, send=False)), timeout, "receive")
         length, flags = decode_header(first, self.max_frame if max_frame is None else max_frame, with_flags=True)
         if flags & FLAG_INLINE:
             if length > INLINE_MAX:
@@ -584,7 +582,7 @@ class Connection:
             return decode_body(memoryview(first)[HEADER_SIZE:HEADER_SIZE + length])
         body: bytearray | mmap.mmap = bytearray(length) if length < MAPPED_BODY_MIN else mmap.mmap(-1, length)
         if length:
-            await self._bounded(self._post_recv(body), timeout, "receive")
+            await self._bounded(self._post(body, send=False), timeout, "receive")
         return decode_body(body)
 
     async def send_payloads(self, buffers: Sequence[Any], timeout: float = DEFAULT_TIMEOUT) -> None:
@@ -640,7 +638,7 @@ class Connection:
                         for buf, n in zip(items[start:end], sizes[start:end]):
                             source[offset:offset + n] = _byte_view(buf)
                             offset += n
-                inflight.append((self._post_send(source), stage))
+                inflight.append((self._post(source, send=True), stage))
                 if stage is not None:
                     staged += 1
                 while staged >= STAGED_WINDOW:
@@ -671,7 +669,7 @@ class Connection:
                     target = _canary_view(items[start]) if sizes[start] >= _CANARY else None
                     if target is not None:
                         _set_canaries(target, sizes[start:end], canary)
-                    inflight.append((self._post_recv(items[start]), start, end, target, None))
+                    inflight.append((self._post(items[start], send=False), start, end, target, None))
                     continue
                 stage = None
                 span = _span(items[start:end], sizes[start:end], writable=True)
@@ -683,7 +681,7 @@ class Connection:
                 else:
                     target = memoryview(span).cast("B")
                 _set_canaries(target, sizes[start:end], canary)
-                inflight.append((self._post_recv(target), start, end, target, stage))
+                inflight.append((self._post(target, send=False), start, end, target, stage))
                 while staged >= STAGED_WINDOW:
                     entry = inflight.popleft()
                     await self._recv_group(entry, items, sizes, canary, landed)
@@ -738,7 +736,7 @@ class Connection:
         announces a body to follow as the next message.
         """
         await self._settle(timeout)
-        await self._bounded(self._post_send(data), timeout, "send")
+        await self._bounded(self._post(data, send=True), timeout, "send")
 
     def abort(self) -> None:
         """Close at once; outstanding UCX requests are cancelled. Idempotent.
