@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dkv.errors import ConfigError, DKVError
+from dkv.event_loop import run as run_loop
 from dkv.units import format_size, parse_address, parse_size
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="dKV: distributed KV-cache store for LLM serving.")
@@ -199,7 +200,7 @@ def serve(
             cluster_config = ClusterConfig(etcd=etcd_settings(etcd), cluster=cluster, prefix=etcd_prefix, ttl=etcd_ttl,
                                            publish_every=publish_every)
         metrics_at = parse_address(metrics_listen, DEFAULT_METRICS_PORT) if metrics_listen else None
-        asyncio.run(_serve(config, cluster_config, ready_file, exit_with_parent, metrics_at))
+        run_loop(_serve(config, cluster_config, ready_file, exit_with_parent, metrics_at))
     except (DKVError, ValueError) as exc:
         fail(str(exc))
 

@@ -21,6 +21,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from dkv.event_loop import new_event_loop
 from dkv.transport import drop_transport, hold_transport, stop_progress
 
 T = TypeVar("T")
@@ -38,7 +39,7 @@ class LoopThread:
             raise RuntimeError("the connector's event loop did not start")
 
     def _main(self) -> None:
-        loop = asyncio.new_event_loop()
+        loop = new_event_loop()
         asyncio.set_event_loop(loop)
         self._loop = loop
         loop.run_until_complete(self._init())

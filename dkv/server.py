@@ -37,6 +37,7 @@ from dkv.disk_worker import DiskWorker
 from dkv.handover import HandoverServer
 from dkv.local_channel import LocalListener, StreamConnection
 from dkv.errors import ConfigError, DKVError, ProtocolError, RemoteError, TransportError
+from dkv.event_loop import loop_kind
 from dkv.hostid import host_id
 from dkv.etcd import check_node_id
 from dkv.keys import MAX_TP_SHARDS, check_namespace
@@ -48,7 +49,7 @@ from dkv.store import (
     Store,
     StoreKey,
 )
-from dkv.transport import Connection, Listener, stop_progress
+from dkv.transport import Connection, Listener, active_progress_mode, stop_progress
 from dkv.units import is_loopback
 from dkv.wire import (
     MAX_FRAME,
@@ -185,6 +186,7 @@ class NodeServer:
         self.presence: ClusterPresence | None = None
         self.epoch = new_epoch()
         self.started_at = time.time()
+        self.runtime: dict[str, str | None] = {}  # set by start()
         label = _label(config.node_id)
         self.arena = Arena(config.pool_size, label=label, max_namespaces=config.max_namespaces)
         self.local_credential: LocalCredential | None = None
@@ -266,6 +268,7 @@ class NodeServer:
         await self.control.start()
         _raise_descriptor_limit(self.config.max_connections * DESCRIPTORS_PER_CONNECTION + DESCRIPTOR_SLACK)
         self._listener = Listener(self._serve, self.config.port)
+        self.runtime = {"event_loop": loop_kind(asyncio.get_running_loop()), "ucx_progress": active_progress_mode()}
         self._expiry = asyncio.create_task(self._expire_forever(), name="dkv-expiry")
         if self.cluster_config is not None:
             self.presence = ClusterPresence(self, self.cluster_config)
@@ -861,6 +864,7 @@ class NodeServer:
             "pid": os.getpid(),
             "uptime_s": round(time.time() - self.started_at, 3),
             "protocol_version": PROTOCOL_VERSION,
+            "runtime": dict(self.runtime),  # the event loop it runs on and UCX's progress mode (dkv.event_loop)
             "host": {"free": host_free, "total": host_total, "used": host_total - host_free,
                      "segments": self.arena.segments, "free_resident": self.arena.resident_free,
                      "trims": self.arena.trims},

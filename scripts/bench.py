@@ -16,8 +16,9 @@ Measured (GB/s = 1e9 bytes/s of block payload; latencies in µs, p50/p99):
 
 * **limits**: aligned memcpy (``np.copyto`` block by block between page-aligned buffers);
   plain TCP (blocking socket, loopback): stream of the batch's bytes server -> client and a
-  16-byte ping-pong; raw UCX (``dkv.transport``): the batch's blocks server -> client as one
-  message per block, and a 16-byte ping-pong.
+  16-byte ping-pong; raw UCX (``dkv.transport``, on the event loop dKV's own loops use:
+  :mod:`dkv.event_loop`): the batch's blocks server -> client as one message per block, and a
+  16-byte ping-pong.
 * **Redis** (redis-py + hiredis, loopback TCP): ``MGET`` of the batch, pipelined ``GET``,
   pipelined ``SET`` (replies are parsed into ``bytes``, not copied into the destination
   rows), ``EXISTS`` of 256 and 4096 keys.
@@ -1489,9 +1490,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.helper is not None:
-        import asyncio
+        from dkv.event_loop import run as run_loop
 
-        asyncio.run(_helper_serve(args.helper))
+        run_loop(_helper_serve(args.helper))  # raw UCX on the loop dKV's own loops run on
         return 0
     if args.engine is not None:
         return engine_main(json.loads(args.engine))

@@ -292,17 +292,18 @@ async def test_a_send_to_a_peer_that_went_away_fails_at_the_next_operation_withi
 import time  # noqa: E402
 
 from dkv.errors import OpTimeout  # noqa: E402
+from dkv.event_loop import DEFAULT_EVENT_LOOP, EVENT_LOOP_ENV, EVENT_LOOPS  # noqa: E402
 
 PEER = Path(__file__).with_name("transport_peer.py")
 PEER_BOUND = 120.0
 
 
-def _start_peer(tmp_path: Path, mode: str) -> tuple[subprocess.Popen[str], int]:
-    """A transport_peer.py server in progress mode ``mode``, and its port once it listens."""
-    port_file = tmp_path / f"port-{mode}"
+def _start_peer(tmp_path: Path, mode: str, event_loop: str = DEFAULT_EVENT_LOOP) -> tuple[subprocess.Popen[str], int]:
+    """A transport_peer.py server in progress mode ``mode`` on ``event_loop``, and its port once it listens."""
+    port_file = tmp_path / f"port-{mode}-{event_loop}"
     server = subprocess.Popen([sys.executable, str(PEER), "serve", str(port_file)], cwd=ROOT, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              env={**os.environ, "PYTHONPATH": str(ROOT), "DKV_UCX_PROGRESS": mode})
+                              env=_peer_env(mode, event_loop))
     deadline = time.monotonic() + PEER_BOUND
     while not port_file.exists():
         if server.poll() is not None or time.monotonic() > deadline:
@@ -310,6 +311,10 @@ def _start_peer(tmp_path: Path, mode: str) -> tuple[subprocess.Popen[str], int]:
             raise AssertionError(f"the {mode} peer never listened: {server.communicate()[0][-3000:]}")
         time.sleep(0.05)
     return server, int(port_file.read_text())
+
+
+def _peer_env(mode: str, event_loop: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "DKV_UCX_PROGRESS": mode, EVENT_LOOP_ENV: event_loop}
 
 
 def _stop(server: subprocess.Popen[str]) -> None:
@@ -330,24 +335,30 @@ async def test_ucx_is_progressed_by_the_loop_that_drives_it_unless_told_otherwis
     assert await on_ucx(mode()) == os.environ.get("DKV_UCX_PROGRESS", "loop")
 
 
-@pytest.mark.parametrize("server_mode, client_mode", [("loop", "thread"), ("thread", "loop"), ("loop", "loop")])
-def test_peers_in_either_progress_mode_handshake_and_exchange_bit_exact(tmp_path: Path, server_mode: str,
-                                                                       client_mode: str) -> None:
-    # the loop mode's handshake is dKV's own, on ucxx's raw requests: it must stay ucxx's on the wire
-    server, port = _start_peer(tmp_path, server_mode)
+@pytest.mark.parametrize("server_mode, client_mode, server_loop, client_loop", [
+    ("loop", "thread", "uvloop", "uvloop"), ("thread", "loop", "uvloop", "uvloop"), ("loop", "loop", "uvloop", "uvloop"),
+    ("loop", "loop", "uvloop", "asyncio"), ("loop", "loop", "asyncio", "uvloop"), ("thread", "loop", "asyncio", "uvloop"),
+])
+def test_peers_in_either_progress_mode_and_on_either_loop_handshake_and_exchange_bit_exact(
+        tmp_path: Path, server_mode: str, client_mode: str, server_loop: str, client_loop: str) -> None:
+    # the loop mode's handshake is dKV's own, on ucxx's raw requests: it must stay ucxx's on the wire,
+    # and UCX must be driven alike by the standard loop and by uvloop (dkv.event_loop)
+    server, port = _start_peer(tmp_path, server_mode, server_loop)
     try:
         done = subprocess.run([sys.executable, str(PEER), "ping", "127.0.0.1", str(port)], cwd=ROOT,
                               capture_output=True, text=True, timeout=PEER_BOUND,
-                              env={**os.environ, "PYTHONPATH": str(ROOT), "DKV_UCX_PROGRESS": client_mode})
-        assert done.returncode == 0 and done.stdout.strip().endswith(f"OK {client_mode}"), (
+                              env=_peer_env(client_mode, client_loop))
+        assert done.returncode == 0 and done.stdout.strip().endswith(f"OK {client_mode} {client_loop}"), (
             done.stdout + done.stderr[-3000:])
         assert server.wait(PEER_BOUND) == 0, "the server must end cleanly once asked"
     finally:
         _stop(server)
 
 
-async def test_a_loop_driven_server_waiting_on_a_receive_sleeps_instead_of_spinning(tmp_path: Path) -> None:
-    server, port = _start_peer(tmp_path, "loop")
+@pytest.mark.parametrize("event_loop", EVENT_LOOPS)
+async def test_a_loop_driven_server_waiting_on_a_receive_sleeps_instead_of_spinning(tmp_path: Path,
+                                                                                     event_loop: str) -> None:
+    server, port = _start_peer(tmp_path, "loop", event_loop)
     try:
         async def idle_cost() -> float:
             conn = await transport.connect("127.0.0.1", port)

@@ -1,4 +1,5 @@
-"""Run as a script: one side of a dkv.transport connection, in the progress mode of ``DKV_UCX_PROGRESS``.
+"""Run as a script: one side of a dkv.transport connection, in the progress mode of ``DKV_UCX_PROGRESS``,
+on the event loop of ``DKV_EVENT_LOOP`` (:mod:`dkv.event_loop`).
 
 ``python transport_peer.py serve PORT_FILE`` listens, writes its port to
 ``PORT_FILE`` (whole, by a rename), and serves
@@ -8,7 +9,7 @@ payloads of those sizes filled from :func:`pattern`.
 
 ``python transport_peer.py ping HOST PORT`` connects, checks an echo of a small
 and of a large message and a payload exchange of mixed sizes bit-exact, asks
-the server to stop, and prints ``OK <its progress mode>``.
+the server to stop, and prints ``OK <its progress mode> <its event loop>``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import sys
 
 from dkv import transport
+from dkv.event_loop import loop_kind, run
 
 SIZES = [100, 64 * 1024, 5, 300 * 1024, 64 * 1024, 1 << 20, 7]
 
@@ -78,11 +80,11 @@ async def ping(host: str, port: int) -> None:
     finally:
         await conn.close()
         await transport.stop_progress()
-    print(f"OK {mode}")
+    print(f"OK {mode} {loop_kind(asyncio.get_running_loop())}")
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "serve":
-        asyncio.run(serve(sys.argv[2]))
+        run(serve(sys.argv[2]))
     else:
-        asyncio.run(ping(sys.argv[2], int(sys.argv[3])))
+        run(ping(sys.argv[2], int(sys.argv[3])))
