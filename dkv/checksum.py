@@ -38,20 +38,38 @@ _TAG = b"dKV-sum1"
 _SHARD_SIZE = struct.Struct(">HQ")  # TP shard, block length
 
 
+# The prefix up to the block hash depends only on (leaf, shard, size), which a model repeats for every
+# block: kept here, a checksum costs one concatenation instead of an encode, a pack and a join.
+_HEADS: dict[tuple[str, int, int], bytes] = {}
+_MAX_HEADS = 4096  # distinct (leaf, shard, size) remembered; beyond it heads are built each time
+_HASH_LENGTH_BYTE = {n: bytes((n,)) for n in range(256)}
+
+
+def _head(leaf: str, shard: int, size: int) -> bytes:
+    key = (leaf, shard, size)
+    head = _HEADS.get(key)
+    if head is None:
+        leaf_bytes = leaf.encode()
+        head = b"".join((_TAG, len(leaf_bytes).to_bytes(2, "big"), leaf_bytes, _SHARD_SIZE.pack(shard, size)))
+        if len(_HEADS) < _MAX_HEADS:
+            _HEADS[key] = head
+    return head
+
+
 def block_prefix(leaf: str, shard: int, block_hash: bytes, size: int) -> bytes:
     """The identity prefix hashed before a block's bytes (see the module docstring)."""
-    leaf_bytes = leaf.encode()
-    return b"".join((_TAG, len(leaf_bytes).to_bytes(2, "big"), leaf_bytes, _SHARD_SIZE.pack(shard, size),
-                     len(block_hash).to_bytes(1, "big"), block_hash))
+    return _head(leaf, shard, size) + _HASH_LENGTH_BYTE[len(block_hash)] + block_hash
 
 
 def block_checksum(leaf: str, shard: int, block_hash: bytes, data: Any) -> bytes:
     """The 16-byte checksum of ``data`` (any contiguous buffer) stored as ``(leaf, shard, block_hash)``."""
-    view = memoryview(data)
-    if not view.contiguous:
-        raise ValueError("block_checksum needs a contiguous buffer")
+    view = data if type(data) is memoryview else memoryview(data)
     if view.ndim != 1 or view.format not in ("B", "b", "c"):
+        if not view.contiguous:
+            raise ValueError("block_checksum needs a contiguous buffer")
         view = view.cast("B")
+    elif not view.contiguous:  # a 1-D strided slice
+        raise ValueError("block_checksum needs a contiguous buffer")
     hasher = xxhash.xxh3_128(block_prefix(leaf, shard, block_hash, view.nbytes))
     hasher.update(view)
     return hasher.digest()

@@ -258,6 +258,24 @@ class _LoopProgress:
             return
         self.kick()  # UCX still had work after these passes: again after the loop's other callbacks
 
+    def progress_once(self) -> None:
+        """One pass now, from long work on the loop (:func:`progress_now`); the arm waits for the next turn.
+
+        Nothing when a pass is queued already (it runs on the loop's next turn)
+        or the driver is closed. A fault is logged and left to the tick, as in
+        a regular pass.
+        """
+        if self._queued or self._closed:
+            return
+        try:
+            self.worker.progress()
+            if self._pending:
+                self._complete()
+        except Exception as exc:  # noqa: BLE001 - progress must go on: the tick retries
+            log.debug("UCX progress: %s", exc)
+            return
+        self.kick()  # arm after the work, on the loop's next turn
+
     def _complete(self) -> None:
         pending = self._pending
         for request in [r for r in pending if r.completed]:
@@ -328,12 +346,8 @@ def progress_now() -> None:
     arrive) calls this between pieces, so that transfers in flight keep
     moving: UCX answers a peer's rendezvous only when progressed.
     """
-    driver = _driver
-    if driver is not None and not driver._closed and not driver._queued:
-        driver.worker.progress()
-        if driver._pending:
-            driver._complete()
-        driver.kick()  # arm after the work, on the loop's next turn
+    if _driver is not None:
+        _driver.progress_once()
 
 
 def pending_requests() -> int:

@@ -88,3 +88,25 @@ def test_write_sums_are_optional_and_checked_when_present() -> None:
             check_request({**base, "sums": bad})
     with pytest.raises(ProtocolError, match="missing field 'shm'"):  # the other fields stay required
         check_request({"op": "write", "keys": [], "sizes": [], "sums": []})
+
+
+def test_remembered_key_heads_change_no_checksum_and_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dkv import checksum
+
+    golden = "3c0450479e9bf3bb04c2069c184461cb"
+    monkeypatch.setattr(checksum, "_HEADS", {})
+    monkeypatch.setattr(checksum, "_MAX_HEADS", 2)
+    for _ in range(2):  # built, then remembered: the same digest
+        assert block_checksum("full", 1, bytes(range(8)), b"abc").hex() == golden
+    sums = {leaf: block_checksum(leaf, 0, H32, DATA) for leaf in ("a", "b", "c", "d")}  # past the bound
+    assert len(checksum._HEADS) == 2
+    assert {leaf: block_checksum(leaf, 0, H32, DATA) for leaf in sums} == sums
+    assert block_checksum("full", 1, bytes(range(8)), b"abc").hex() == golden
+
+
+def test_a_strided_buffer_is_refused() -> None:
+    strided = memoryview(np.frombuffer(DATA, dtype=np.uint8))[::2]
+    with pytest.raises(ValueError, match="contiguous"):
+        block_checksum("L", 0, H32, strided)
+    with pytest.raises(ValueError, match="contiguous"):
+        block_checksum("L", 0, H32, np.frombuffer(DATA, dtype=np.uint8).reshape(16, -1)[:, ::2])
