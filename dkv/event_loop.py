@@ -2,11 +2,12 @@
 
 Contract:
 
-* **Where.** Every loop dKV creates itself uses :func:`new_event_loop` or
-  :func:`run`: the node (``dkv serve``), the connector's loop thread
-  (:mod:`dkv.loop_thread`) and the CLI's one-shot commands. A loop the
-  embedding application made (a test's, an engine's) is used as it is:
-  every dKV component works on either kind.
+* **Where.** The loops that carry dKV's traffic are made here: the node's
+  (``dkv serve``, through :func:`run`) and the connector's loop thread
+  (:mod:`dkv.loop_thread`, through :func:`new_event_loop`). The CLI's
+  one-shot inspection commands keep ``asyncio.run``. A loop the embedding
+  application made (a test's, an engine's) is used as it is: every dKV
+  component works on either kind.
 * **Choice.** ``DKV_EVENT_LOOP`` = ``uvloop`` (the default) or ``asyncio``.
   Anything else is a :class:`~dkv.errors.ConfigError`, raised when a loop is
   made. ``uvloop`` is a pinned dependency; where it cannot be imported (a
@@ -14,9 +15,9 @@ Contract:
   warning, and an explicit ``DKV_EVENT_LOOP=uvloop`` is an error.
 * **Why.** The control path is a chain of wake-ups: a socket becomes
   readable, a callback runs, a task resumes, a reply is written. uvloop runs
-  that chain in C (libuv): measured here, a Unix-socket ping-pong between two
-  loops took about half the time it takes on the standard loop, and a
-  connector's thread hop about two thirds (``scripts/probe_event_loop.py``).
+  that chain in C (libuv): measured here (``scripts/probe_event_loop.py``), a
+  Unix-socket ping-pong between two loops took about 0.7x the time it takes
+  on the standard loop, and a connector's thread hop 0.7-0.85x.
   UCX progress does not depend on it: the loop-driven mode
   (:mod:`dkv.transport`) only needs ``add_reader``, ``call_soon`` and
   ``call_later``, which both kinds have.
