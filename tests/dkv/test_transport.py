@@ -381,6 +381,37 @@ async def test_a_loop_driven_server_waiting_on_a_receive_sleeps_instead_of_spinn
         _stop(server)
 
 
+@pytest.mark.skipif(os.environ.get("DKV_UCX_PROGRESS", "loop") != "loop", reason="loop-mode progress only")
+async def test_a_progress_fault_between_pieces_of_work_is_left_to_the_tick_and_ucx_keeps_going() -> None:
+    class FaultyWorker:
+        def __init__(self, real: Any) -> None:
+            self.real = real
+
+        def progress(self) -> None:
+            raise RuntimeError("injected UCX progress fault")
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.real, name)
+
+    async def check(client: transport.Connection, server: transport.Connection) -> None:
+        driver = transport._driver  # noqa: SLF001 - the fault is injected into the driver's own worker
+        assert driver is not None
+        deadline = time.monotonic() + 30
+        while driver._queued:  # noqa: SLF001 - a queued pass would make progress_now() do nothing
+            assert time.monotonic() < deadline, "the loop never ran its queued UCX pass"
+            await asyncio.sleep(0.01)
+        real = driver.worker
+        driver.worker = FaultyWorker(real)
+        try:
+            transport.progress_now()  # long work on the loop calls this: a fault must not reach it
+        finally:
+            driver.worker = real
+        await client.send_message({"op": "after the fault"})
+        assert await server.recv_message(timeout=30) == {"op": "after the fault"}
+
+    await _run(check)
+
+
 async def test_a_receive_that_times_out_holds_its_buffer_until_ucx_cancels_it_then_lets_go() -> None:
     async def check(client: transport.Connection, server: transport.Connection) -> None:
         before = transport.pending_requests()
