@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,7 +34,7 @@ import numpy as np
 
 from dkv.arena import SegmentMapping
 from dkv.checksum import CHECKSUM_SIZE
-from dkv.checksum import verify as checksum_matches
+from dkv.checksum import block_checksum
 from dkv.errors import ProtocolError
 
 # Copies of at least this many bytes in all run on a worker thread (numpy's copy releases the GIL);
@@ -49,6 +50,7 @@ GIL_FREE_COPY_MIN = 128 * 1024
 # would only take turns at the GIL.
 PARALLEL_COPY_MIN = 4 << 20
 COPY_THREADS = 2
+_CHECKSUM = np.dtype((np.void, CHECKSUM_SIZE))  # one packed checksum, gathered by index with its neighbours
 
 
 class LeaseSlots:
@@ -67,14 +69,15 @@ class LeaseSlots:
         if not isinstance(raw, dict):
             raise ProtocolError("slots must be a map")
         count = len(hashes) * shards
-        slots: dict[str, tuple[np.ndarray, np.ndarray, bytes]] = {}
+        slots: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         for leaf, entry in raw.items():
             if not (isinstance(entry, list) and len(entry) == 3 and all(isinstance(x, bytes) for x in entry)):
                 raise ProtocolError(f"slots of leaf {leaf!r} are malformed")
             offsets, sizes, sums = entry
             if len(offsets) != 8 * count or len(sizes) != 8 * count or len(sums) != CHECKSUM_SIZE * count:
                 raise ProtocolError(f"slots of leaf {leaf!r} have the wrong length")
-            slots[leaf] = (np.frombuffer(offsets, dtype=np.int64), np.frombuffer(sizes, dtype=np.int64), sums)
+            slots[leaf] = (np.frombuffer(offsets, dtype=np.int64), np.frombuffer(sizes, dtype=np.int64),
+                           np.frombuffer(sums, dtype=_CHECKSUM))
         self.mapping = mapping
         self.shards = shards
         self.live_until = live_until
@@ -82,23 +85,45 @@ class LeaseSlots:
         self._index: dict[bytes, int] | None = None  # built on first use: most lookups are never loaded
         self._slots = slots
 
-    def _plan(self, keys: Sequence[Any], views: Sequence[memoryview]) -> list[tuple[memoryview, int, bytes]] | None:
-        """Per key (view, offset, checksum); ``None`` when any key cannot be copied this way."""
+    def _plan(self, keys: Sequence[Any], sizes: Sequence[int]) -> tuple[list[int], bytes] | None:
+        """Each key's slot offset, and their checksums packed in key order; ``None`` when any key cannot be copied this way.
+
+        ``sizes`` are the destination sizes, which must be the slots' own.
+        Array passes over the whole load, not a Python step per key.
+        """
+        n = len(keys)
+        if n != len(sizes):
+            return None
+        if not n:
+            return [], b""
         if self._index is None:
             self._index = {h: i for i, h in enumerate(self._hashes)}
-        index, shards, plan = self._index, self.shards, []
-        for key, view in zip(keys, views):
-            leaf, shard, block_hash = key[0], key[1], key[2]
+        rows = list(map(self._index.get, map(operator.itemgetter(2), keys)))
+        if None in rows:
+            return None
+        shard = np.fromiter(map(operator.itemgetter(1), keys), dtype=np.int64, count=n)
+        if not (0 <= int(shard.min()) and int(shard.max()) < self.shards):
+            return None
+        at = np.fromiter(rows, dtype=np.int64, count=n) * self.shards + shard  # each key's place in its leaf's map
+        offsets = np.empty(n, dtype=np.int64)
+        slot_sizes = np.empty(n, dtype=np.int64)
+        sums = np.empty(n, dtype=_CHECKSUM)
+        leaf_of = list(map(operator.itemgetter(0), keys))
+        leaves = set(leaf_of)
+        for leaf in leaves:
             entry = self._slots.get(leaf)
-            i = index.get(block_hash)
-            if entry is None or i is None or not 0 <= shard < shards:
+            if entry is None:
                 return None
-            j = i * shards + shard
-            offset, size = int(entry[0][j]), int(entry[1][j])
-            if offset < 0 or size != view.nbytes or offset + size > self.mapping.size:
-                return None
-            plan.append((view, offset, entry[2][CHECKSUM_SIZE * j: CHECKSUM_SIZE * (j + 1)]))
-        return plan
+            mine = (slice(None) if len(leaves) == 1
+                    else np.flatnonzero(np.fromiter(map(leaf.__eq__, leaf_of), dtype=bool, count=n)))
+            where = at[mine]
+            offsets[mine] = entry[0][where]
+            slot_sizes[mine] = entry[1][where]
+            sums[mine] = entry[2][where]
+        if ((offsets < 0).any() or (slot_sizes != np.asarray(sizes, dtype=np.int64)).any()
+                or (offsets + slot_sizes > self.mapping.size).any()):
+            return None
+        return offsets.tolist(), sums.tobytes()
 
     async def copy(self, keys: Sequence[Any], views: Sequence[memoryview]) -> bool:
         """Copy ``keys`` (``(leaf, shard, hash)``) into ``views``; True when every block matched its checksum.
@@ -107,16 +132,20 @@ class LeaseSlots:
         the two-step way (or fail). Nothing writes into the views after this
         returns.
         """
-        plan = self._plan(keys, views)
+        sizes = [view.nbytes for view in views]
+        plan = self._plan(keys, sizes)
         if plan is None:
             return False
-        total = sum(view.nbytes for view, _, _ in plan)
+        offsets, sums = plan
+        total = sum(sizes)
         if total < OFF_LOOP_COPY_MIN:
-            return self._copy_and_verify(keys, plan)
+            return self._copy_and_verify(keys, views, offsets, sums)
         loop = asyncio.get_running_loop()
-        gil_free = total >= PARALLEL_COPY_MIN and min(view.nbytes for view, _, _ in plan) >= GIL_FREE_COPY_MIN
-        parts = _split_by_bytes(len(plan), [view.nbytes for view, _, _ in plan], COPY_THREADS if gil_free else 1)
-        copies = [loop.run_in_executor(None, self._copy_and_verify, keys[part], plan[part]) for part in parts]
+        gil_free = total >= PARALLEL_COPY_MIN and min(sizes) >= GIL_FREE_COPY_MIN
+        parts = _split_by_bytes(len(sizes), sizes, COPY_THREADS if gil_free else 1)
+        copies = [loop.run_in_executor(None, self._copy_and_verify, keys[part], views[part], offsets[part],
+                                       sums[part.start * CHECKSUM_SIZE: part.stop * CHECKSUM_SIZE])
+                  for part in parts]
         try:
             return all(await asyncio.shield(asyncio.gather(*copies)))
         except asyncio.CancelledError:
@@ -126,15 +155,17 @@ class LeaseSlots:
                     await asyncio.wait(copies)
             raise
 
-    def _copy_and_verify(self, keys: Sequence[Any], plan: list[tuple[memoryview, int, bytes]]) -> bool:
-        mapping = self.mapping
-        for key, (view, offset, checksum) in zip(keys, plan):
+    def _copy_and_verify(self, keys: Sequence[Any], views: Sequence[memoryview], offsets: Sequence[int],
+                         sums: bytes) -> bool:
+        """Copy each key's slot into its view; True when the copied bytes' checksums are ``sums`` (key order)."""
+        segment = np.frombuffer(self.mapping.view, dtype=np.uint8)  # sliced per block: no buffer export per block
+        got = []
+        for key, view, offset in zip(keys, views, offsets):
             size = view.nbytes
             if size:  # numpy's copy lets go of the GIL: other threads get it at least once a block
-                np.copyto(np.frombuffer(view, dtype=np.uint8), np.frombuffer(mapping.slot(offset, size), dtype=np.uint8))
-            if not checksum_matches(key[0], key[1], key[2], view, checksum):
-                return False
-        return True
+                np.copyto(np.frombuffer(view, dtype=np.uint8), segment[offset: offset + size])
+            got.append(block_checksum(key[0], key[1], key[2], view))
+        return b"".join(got) == sums  # one comparison: a mismatch anywhere fails the whole copy
 
 
 def _split_by_bytes(count: int, sizes: Sequence[int], parts: int) -> list[slice]:

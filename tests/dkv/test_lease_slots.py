@@ -23,6 +23,7 @@ class FakeMapping:
     def __init__(self, size: int) -> None:
         self.data = bytearray(size)
         self.size = size
+        self.view = memoryview(self.data)
 
     def slot(self, offset: int, nbytes: int) -> memoryview:
         return memoryview(self.data)[offset:offset + nbytes]
@@ -71,10 +72,10 @@ async def test_a_cancelled_copy_writes_nothing_into_the_views_after_the_cancella
     started = threading.Event()
     real = LeaseSlots._copy_and_verify
 
-    def slow_copy(self: LeaseSlots, keys: Any, plan: Any) -> bool:
+    def slow_copy(self: LeaseSlots, keys: Any, *plan: Any) -> bool:
         started.set()
         time.sleep(0.5)  # still copying when the caller is cancelled
-        return real(self, keys, plan)
+        return real(self, keys, *plan)
 
     monkeypatch.setattr(LeaseSlots, "_copy_and_verify", slow_copy)
     dests = [bytearray(BLOCK) for _ in hashes]
@@ -111,10 +112,10 @@ async def test_a_cancelled_split_copy_waits_for_every_part(monkeypatch) -> None:
     started, finished = [], []
     real = LeaseSlots._copy_and_verify
 
-    def slow_copy(self: LeaseSlots, keys: Any, plan: Any) -> bool:
+    def slow_copy(self: LeaseSlots, keys: Any, *plan: Any) -> bool:
         started.append(len(keys))
         time.sleep(0.3 * len(started))  # the parts end at different times
-        result = real(self, keys, plan)
+        result = real(self, keys, *plan)
         finished.append(len(keys))
         return result
 
@@ -139,3 +140,33 @@ def test_copies_are_split_into_consecutive_parts_of_about_equal_bytes() -> None:
         cut = _split_by_bytes(count, [3] * count, parts)
         assert cut[0].start == 0 and cut[-1].stop == count and len(cut) <= parts
         assert all(a.stop == b.start for a, b in zip(cut, cut[1:]))
+
+
+async def test_a_load_in_any_key_order_across_leaves_and_shards_gets_each_keys_own_slot() -> None:
+    small, shards = 4096, 2  # small blocks: copied and verified on the loop
+    hashes = [bytes([i + 1]) * 32 for i in range(3)]
+    leaves = ("A", "B")
+    mapping = FakeMapping(len(leaves) * len(hashes) * shards * small)
+    raw, where = {}, {}
+    for n, leaf in enumerate(leaves):
+        offsets, sums = [], []
+        for i, h in enumerate(hashes):
+            for shard in range(shards):
+                offset = ((n * len(hashes) + i) * shards + shard) * small
+                mapping.data[offset:offset + small] = bytes([offset // small + 3]) * small
+                offsets.append(offset)
+                sums.append(block_checksum(leaf, shard, h, mapping.slot(offset, small)))
+                where[(leaf, shard, h)] = offset
+        raw[leaf] = [array("q", offsets).tobytes(), array("q", [small] * len(offsets)).tobytes(), b"".join(sums)]
+    slots = LeaseSlots(mapping, hashes, shards, raw, live_until=time.monotonic() + 60)
+    keys = [("B", 1, hashes[2]), ("A", 0, hashes[0]), ("B", 0, hashes[0]), ("A", 1, hashes[2]), ("A", 1, hashes[1])]
+    dests = [bytearray(small) for _ in keys]
+    assert await slots.copy(keys, [memoryview(d) for d in dests]) is True
+    assert [bytes(d) for d in dests] == [bytes(mapping.slot(where[k], small)) for k in keys]
+
+    assert await slots.copy([("A", shards, hashes[0])], [memoryview(dests[0])]) is False  # no such shard
+    assert await slots.copy([("C", 0, hashes[0])], [memoryview(dests[0])]) is False  # no such leaf
+    assert await slots.copy([keys[0]], [memoryview(bytearray(small - 1))]) is False  # not the slot's size
+    assert await slots.copy([], []) is True
+    mapping.data[where[keys[3]] + 7] ^= 0xFF  # one block among several changed under the lease
+    assert await slots.copy(keys, [memoryview(d) for d in dests]) is False
