@@ -10,6 +10,14 @@ in age: the node may evict a block without telling anyone, and a stale entry
 costs at most one skipped offload of a block the node since dropped, never
 wrong bytes.
 
+Bounded by generations, not by an order kept per entry: pairs are learned
+into the young generation; once it holds half the capacity it becomes the
+old one and the previous old one is forgotten whole. So at most
+``capacity`` entries are remembered, a pair learned within the last half
+capacity of learning is always still there, and learning is one C-speed
+dict pass per leaf (no per-pair reordering). Each leaf has its own map keyed
+by the hash bytes, whose hash Python caches.
+
 Thread-safe: read on the scheduler thread (:meth:`HeldBlocks.lacking` without a lock), taught on
 the loop thread.
 """
@@ -20,13 +28,12 @@ import collections
 import itertools
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 DEFAULT_CAPACITY = 65536  # (leaf, hash) pairs remembered
 DEFAULT_MAX_AGE = 30.0  # seconds an entry is trusted
 
-Pair = tuple[str, bytes]
+Generation = dict[str, dict[bytes, float]]  # leaf -> hash -> when learned
 
 
 class HeldBlocks:
@@ -34,39 +41,49 @@ class HeldBlocks:
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY, max_age: float = DEFAULT_MAX_AGE,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        if capacity < 2:
+            raise ValueError(f"capacity must be at least 2: {capacity}")
         self._lock = threading.Lock()
-        self._seen: OrderedDict[Pair, float] = OrderedDict()  # pair -> when learned, oldest first
-        self._capacity = capacity
+        self._young: Generation = {}
+        self._old: Generation = {}
+        self._young_size = 0  # entries in the young generation, over every leaf
+        self._half = capacity // 2
         self._max_age = max_age
         self._clock = clock
 
-    def learn(self, held: Iterable[Pair] = (), absent: Iterable[Pair] = ()) -> None:
-        """The node said it holds ``held`` and lacks ``absent``."""
+    def learn(self, leaf: str, held: Sequence[bytes] = (), absent: Sequence[bytes] = ()) -> None:
+        """The node said it holds ``held`` of ``leaf`` (on every shard) and lacks ``absent``."""
         now = self._clock()
-        held = held if isinstance(held, list) else list(held)
+        if len(held) > self._half:
+            held = held[len(held) - self._half:]  # more than a generation: the last learned are kept
         with self._lock:
-            seen = self._seen
-            # popped, then entered anew: each learned pair goes to the young end (C-speed passes, no per-pair step)
-            collections.deque(map(seen.pop, itertools.chain(absent, held), itertools.repeat(None)), maxlen=0)
-            seen.update(zip(held, itertools.repeat(now)))
-            while len(seen) > self._capacity:
-                seen.popitem(last=False)
+            if absent:
+                for generation in (self._young, self._old):
+                    known = generation.get(leaf)
+                    if known:
+                        before = len(known)
+                        collections.deque(map(known.pop, absent, itertools.repeat(None)), maxlen=0)
+                        if generation is self._young:
+                            self._young_size -= before - len(known)
+            if not held:
+                return
+            if self._young_size + len(held) > self._half:  # the young generation would overflow: it ages
+                self._old, self._young, self._young_size = self._young, {}, 0
+            young = self._young.get(leaf)
+            if young is None:
+                young = self._young[leaf] = {}
+            before = len(young)
+            young.update(zip(held, itertools.repeat(now)))
+            self._young_size += len(young) - before
 
     def forget(self) -> None:
         """Forget everything: the node stopped answering, and may come back empty."""
         with self._lock:
-            self._seen.clear()
+            self._young, self._old, self._young_size = {}, {}, 0
 
     def holds(self, leaf: str, block_hash: bytes) -> bool:
         """True when the node said it holds the pair within the last ``max_age`` seconds."""
-        with self._lock:
-            learned = self._seen.get((leaf, block_hash))
-            if learned is None:
-                return False
-            if self._clock() - learned > self._max_age:
-                del self._seen[(leaf, block_hash)]
-                return False
-            return True
+        return not self.lacking(leaf, [block_hash])
 
     def lacking(self, leaf: str, hashes: Sequence[bytes]) -> list[int]:
         """Indexes into ``hashes`` of the blocks of ``leaf`` the node is not known to hold (as :meth:`holds`).
@@ -74,15 +91,17 @@ class HeldBlocks:
         The scheduler thread asks this per offload, so it takes no lock: the
         writers (the loop thread) hold the lock through a whole batch, and a
         reader that waited for it would wait for the loop thread to get the
-        GIL back. Each dict operation is atomic under the GIL, so a read
-        concurrent with :meth:`learn` sees each pair either learned or not,
-        which is all this advisory memory promises.
+        GIL back. Each dict operation, and the swap of generations, is atomic
+        under the GIL, so a read concurrent with :meth:`learn` sees each pair
+        either learned or not, which is all this advisory memory promises.
         """
         n = len(hashes)
-        seen = self._seen
-        if not seen:
+        young, old = self._young.get(leaf), self._old.get(leaf)
+        if not young and not old:
             return list(range(n))
-        learned = list(map(seen.get, zip(itertools.repeat(leaf, n), hashes)))
+        learned = list(map(young.get, hashes)) if young else [None] * n
+        if old and None in learned:
+            learned = [old.get(h) if when is None else when for when, h in zip(learned, hashes)]
         misses = learned.count(None)
         if misses == n:  # the usual offload: new blocks, none known
             return list(range(n))
@@ -94,9 +113,12 @@ class HeldBlocks:
             if when is None:
                 keep.append(i)
             elif when < oldest:
-                seen.pop((leaf, hashes[i]), None)  # aged out (atomic; a concurrent learn may have renewed it)
+                for generation in (young, old):  # aged out (atomic; a concurrent learn may have renewed it)
+                    if generation:
+                        generation.pop(hashes[i], None)
                 keep.append(i)
         return keep
 
     def __len__(self) -> int:
-        return len(self._seen)
+        """Entries remembered over both generations (a pair in both counts twice): at most ``capacity``."""
+        return sum(map(len, self._young.values())) + sum(map(len, self._old.values()))

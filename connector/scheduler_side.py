@@ -448,13 +448,15 @@ class SchedulerSide:
 
     def learn_lookup(self, hashes: Sequence[bytes], masks: Mapping[str, Sequence[bool]]) -> None:
         """Any thread: the co-located node said which of ``hashes`` each leaf holds."""
-        held: list[tuple[str, bytes]] = []
-        absent: list[tuple[str, bytes]] = []
+        learn = self.held.learn
         for leaf, mask in masks.items():
-            pairs = list(zip(itertools.repeat(leaf), hashes))
-            held += itertools.compress(pairs, mask)
-            absent += itertools.compress(pairs, map(operator.not_, mask))
-        self.held.learn(held=held, absent=absent)
+            if all(mask):  # the usual answer: all of a prefix, or none of it
+                learn(leaf, held=hashes)
+            elif not any(mask):
+                learn(leaf, absent=hashes)
+            else:
+                learn(leaf, held=list(itertools.compress(hashes, mask)),
+                      absent=list(itertools.compress(hashes, map(operator.not_, mask))))
 
     # ---- loads ----------------------------------------------------------------------------------
 
@@ -568,17 +570,15 @@ class SchedulerSide:
     def learn_offload(self, plan: TransferPlan, statuses: Sequence[str]) -> int:
         """Loop thread: remember what the node now holds; returns the bytes it took (the D2H bytes this offload moved)."""
         moved = 0
-        held = []
         at = 0
         for run in plan.runs:
             n, shards = len(run.hashes), len(run.shards)
             per_shard = [statuses[at + s * n: at + (s + 1) * n] for s in range(shards)]
             for s, tensor in enumerate(run.shards):
                 moved += per_shard[s].count(WRITE) * int(tensor.shape[1])
-            held += [(run.leaf, h) for i, h in enumerate(run.hashes)
-                     if all(per_shard[s][i] in (WRITE, EXISTS) for s in range(shards))]
+            self.held.learn(run.leaf, held=[h for i, h in enumerate(run.hashes)
+                                            if all(per_shard[s][i] in (WRITE, EXISTS) for s in range(shards))])
             at += n * shards
-        self.held.learn(held=held)
         return moved
 
     # ---- pricing --------------------------------------------------------------------------------

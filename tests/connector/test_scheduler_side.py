@@ -358,9 +358,9 @@ def test_held_blocks_age_out_in_one_pass() -> None:
     held = HeldBlocks(capacity=8, max_age=5.0, clock=clock)
     hashes = chain(4)
     assert held.lacking("full", hashes) == [0, 1, 2, 3]
-    held.learn(held=[("full", hashes[0]), ("full", hashes[1])])
+    held.learn("full", held=[hashes[0], hashes[1]])
     clock.now += 3
-    held.learn(held=[("full", hashes[2])])
+    held.learn("full", held=[hashes[2]])
     assert held.lacking("full", hashes) == [3]
     clock.now += 3  # the first two are older than max_age now: lacking, and forgotten
     assert held.lacking("full", hashes) == [0, 1, 3]

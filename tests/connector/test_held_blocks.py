@@ -1,0 +1,77 @@
+"""The connector's memory of what the co-located node holds (connector.held_blocks): bounded, ageing, per leaf."""
+
+from __future__ import annotations
+
+import pytest
+
+from connector.held_blocks import HeldBlocks
+
+
+def hashes(n: int, salt: int = 0) -> list[bytes]:
+    return [(salt * 100_000 + i + 1).to_bytes(8, "big") for i in range(n)]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 50.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_what_was_learned_is_known_per_leaf_and_absent_blocks_are_forgotten() -> None:
+    held = HeldBlocks(capacity=64, clock=Clock())
+    run = hashes(6)
+    held.learn("full", held=run[:4])
+    assert held.lacking("full", run) == [4, 5]
+    assert held.lacking("swa", run) == list(range(6))  # another leaf learned nothing
+    held.learn("full", absent=[run[1]])
+    assert held.lacking("full", run) == [1, 4, 5]
+    assert held.holds("full", run[0]) and not held.holds("full", run[1])
+    held.forget()
+    assert held.lacking("full", run) == list(range(6)) and len(held) == 0
+
+
+def test_memory_never_exceeds_its_capacity_and_keeps_the_most_recent_half() -> None:
+    capacity = 40
+    held = HeldBlocks(capacity=capacity, clock=Clock())
+    learned: list[bytes] = []
+    for batch in range(30):  # many generations' worth, over two leaves
+        run = hashes(7, salt=batch)
+        held.learn("full" if batch % 2 else "swa", held=run)
+        learned += [("full" if batch % 2 else "swa", h) for h in run]
+        assert len(held) <= capacity
+    recent = learned[-capacity // 2:]
+    for leaf, h in recent:
+        assert held.holds(leaf, h), "a pair among the last capacity/2 learned was forgotten"
+    held.learn("full", held=hashes(capacity * 3, salt=99))  # one batch bigger than the memory: its tail kept
+    assert len(held) <= capacity
+    assert held.holds("full", hashes(capacity * 3, salt=99)[-1])
+
+
+def test_a_pair_absent_since_is_forgotten_in_both_generations() -> None:
+    held = HeldBlocks(capacity=8, clock=Clock())
+    first = hashes(3)
+    held.learn("full", held=first)
+    held.learn("full", held=hashes(3, salt=1))  # the young generation ages: `first` is now the old one
+    assert held.lacking("full", first) == []
+    held.learn("full", absent=[first[0]])
+    assert held.lacking("full", first) == [0]
+
+
+def test_entries_older_than_max_age_are_lacking_whichever_generation_holds_them() -> None:
+    clock = Clock()
+    held = HeldBlocks(capacity=8, max_age=5.0, clock=clock)
+    old, young = hashes(3), hashes(2, salt=1)
+    held.learn("full", held=old)
+    clock.now += 4
+    held.learn("full", held=young)  # 3 + 2 > 8 // 2: `old` moved to the old generation
+    clock.now += 2  # `old` is 6 s old, `young` 2 s
+    assert held.lacking("full", old + young) == [0, 1, 2]
+    assert held.lacking("full", young) == []
+    assert not held.holds("full", old[0])
+
+
+def test_a_memory_too_small_to_hold_two_generations_is_refused() -> None:
+    with pytest.raises(ValueError):
+        HeldBlocks(capacity=1)
