@@ -17,9 +17,14 @@ def _dkv(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "dkv.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
+def _segments_of(pids: list[int]) -> set[str]:
+    """The /dev/shm entries these processes named (``dkv-<label>-<pid>-<random>``); other runs' segments do not count."""
+    marks = tuple(f"-{pid}-" for pid in pids)
+    return {name for name in os.listdir("/dev/shm") if name.startswith("dkv-") and any(m in name for m in marks)}
+
+
 def test_cluster_up_status_down_leaves_nothing_behind(tmp_path: Path) -> None:
     directory = tmp_path / "c"
-    shm_before = set(os.listdir("/dev/shm"))
     up = _dkv("cluster", "up", "--nodes", "3", "--dir", str(directory), "--pool", "32MiB")
     try:
         assert up.returncode == 0, up.stderr
@@ -29,12 +34,12 @@ def test_cluster_up_status_down_leaves_nothing_behind(tmp_path: Path) -> None:
         assert info["etcd"]["alive"] and len(info["nodes"]) == 3
         assert all(n["alive"] and n["registered"] for n in info["nodes"])
         pids = [info["etcd"]["pid"], *(n["pid"] for n in info["nodes"])]
-        assert set(os.listdir("/dev/shm")) - shm_before == {n["shm"] for n in info["nodes"]}
+        assert _segments_of(pids) == {n["shm"] for n in info["nodes"]}
     finally:
         down = _dkv("cluster", "down", "--dir", str(directory))
     assert down.returncode == 0, down.stderr
     assert not [p for p in pids if pid_alive(p)], "every recorded process must be gone"
-    assert set(os.listdir("/dev/shm")) - shm_before == set(), "no shared-memory segment left"
+    assert _segments_of(pids) == set(), "no shared-memory segment left"
     assert sorted(p.name for p in directory.iterdir()) == ["etcd.log", "node-0.log", "node-1.log", "node-2.log"]
     again = _dkv("cluster", "status", "--dir", str(directory))
     assert again.returncode == 2 and "no cluster recorded" in again.stderr
