@@ -1,0 +1,157 @@
+#!/usr/bin/env python
+"""Probe: where a same-host leased lookup's fixed cost goes, three contenders interleaved in one run.
+
+Against one real node (started here, stopped by its PID at the end), for a
+lookup of ``--hashes`` held hashes (default 1, so the fixed cost shows):
+
+  connector    ``DKVConnector.lookup`` on the calling thread (validation, the hop
+               to the loop thread, the worker side's lease budget and lease
+               state, the held-blocks memory, the hop back);
+  raw_on_loop  ``NodeClient.lookup`` (leased) awaited on the loop thread itself:
+               the client and the node, no hop;
+  hop          an empty coroutine run on the loop thread from the calling thread.
+
+``connector - raw_on_loop - hop`` is what the connector adds around the node's
+round trip. Each round runs every contender ``--samples`` times; the first
+round is warm-up. With ``--profile``, one more pass of each path runs under
+cProfile on the loop thread and prints its top functions.
+
+Usage: probe_lookup_split.py [--hashes 1] [--samples 300] [--rounds 6] [--profile]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import hashlib
+import os
+import pstats
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+LEAF = "a"
+PAGE = 4096
+TIMEOUT = 10.0
+
+
+def p(values: list[int], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q))] / 1000
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hashes", type=int, default=1)
+    parser.add_argument("--samples", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args(argv)
+    if not 1 <= args.hashes <= 4096 or args.samples < 1 or args.rounds < 2:
+        parser.error("--hashes in [1, 4096], --samples >= 1, --rounds >= 2")
+
+    import torch
+
+    from cluster.process import start_node
+    from connector.dkv_connector import DKVConnector
+    from connector.types import full_attention
+    from dkv.client import NodeClient
+    from dkv.loop_thread import acquire_shared_loop, release_shared_loop
+
+    node = start_node("--log-level", "WARNING", pool="64MiB", exit_with_parent=True)
+    loop = acquire_shared_loop()
+    conn: Any = None
+    raw: Any = None
+    try:
+        hashes, h = [], b"\0" * 32
+        for i in range(args.hashes):
+            h = hashlib.sha256(h + i.to_bytes(4, "little")).digest()
+            hashes.append(h)
+        rows = torch.ones(args.hashes + 1, PAGE, dtype=torch.uint8)
+        conn = DKVConnector({LEAF: full_attention(0)}, [{LEAF: [rows]}], namespace="probe", node=str(node.address),
+                            timeout=TIMEOUT)
+        stored = conn.offload({LEAF: list(range(1, args.hashes + 1))}, {LEAF: hashes})
+        deadline = time.monotonic() + TIMEOUT
+        while not stored.is_complete():
+            if time.monotonic() > deadline:
+                raise SystemExit("the offload did not complete")
+            time.sleep(0.001)
+        raw = NodeClient(str(node.address), "probe", local=True, timeout=TIMEOUT)
+        loop.run(raw.connect(), TIMEOUT)
+
+        async def nothing() -> None:
+            return None
+
+        async def raw_lookups(n: int) -> list[int]:
+            out = []
+            for _ in range(n):
+                t0 = time.perf_counter_ns()
+                result = await raw.lookup(hashes, [LEAF])
+                out.append(time.perf_counter_ns() - t0)
+                if not all(result.masks[LEAF]):
+                    raise SystemExit("the raw lookup missed")
+            return out
+
+        def conn_lookups(n: int) -> list[int]:
+            out = []
+            for _ in range(n):
+                t0 = time.perf_counter_ns()
+                masks = conn.lookup(hashes)
+                out.append(time.perf_counter_ns() - t0)
+                if not all(masks[LEAF]):
+                    raise SystemExit("the connector's lookup missed")
+            return out
+
+        def hops(n: int) -> list[int]:
+            out = []
+            for _ in range(n):
+                t0 = time.perf_counter_ns()
+                loop.run(nothing(), TIMEOUT)
+                out.append(time.perf_counter_ns() - t0)
+            return out
+
+        contenders: dict[str, Callable[[int], list[int]]] = {
+            "connector": conn_lookups,
+            "raw_on_loop": lambda n: loop.run(raw_lookups(n), 120),
+            "hop": hops,
+        }
+        samples: dict[str, list[int]] = {name: [] for name in contenders}
+        for round_no in range(args.rounds):
+            names = list(contenders)
+            names = names[round_no % len(names):] + names[:round_no % len(names)]
+            for name in names:
+                got = contenders[name](args.samples)
+                if round_no:
+                    samples[name] += got
+        print(f"leased lookup of {args.hashes} hash(es), same-host, {args.rounds - 1} rounds x {args.samples}")
+        for name, values in samples.items():
+            print(f"  {name:12s} p50 {p(values, 0.5):8.1f} µs   p99 {p(values, 0.99):8.1f} µs")
+        added = p(samples["connector"], 0.5) - p(samples["raw_on_loop"], 0.5) - p(samples["hop"], 0.5)
+        print(f"  the connector adds (p50): {added:.1f} µs around the node's round trip and one hop")
+        if args.profile:
+            for name in ("connector", "raw_on_loop"):
+                profiler = cProfile.Profile()
+
+                async def switch(on: bool) -> None:
+                    profiler.enable() if on else profiler.disable()
+
+                loop.run(switch(True), TIMEOUT)
+                contenders[name](args.samples)
+                loop.run(switch(False), TIMEOUT)
+                print(f"--- loop thread under cProfile, {name}")
+                pstats.Stats(profiler).sort_stats("cumulative").print_stats(20)
+    finally:
+        if raw is not None:
+            loop.run(raw.close(), TIMEOUT)
+        if conn is not None:
+            conn.shutdown()
+        release_shared_loop()
+        node.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
