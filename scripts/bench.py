@@ -72,7 +72,7 @@ for _p in (str(ROOT), str(Path(__file__).resolve().parent)):
     if _p not in sys.path:  # `cluster` and `connector` live at the repository root; bench_common here
         sys.path.insert(0, _p)
 
-from bench_common import die_with_parent, pid_alive  # noqa: E402
+from bench_common import die_with_parent, latency_summary_us, pid_alive  # noqa: E402
 from dkv.units import format_size, parse_size  # noqa: E402
 
 PAGE = 4096
@@ -161,16 +161,6 @@ def random_fill(buf: np.ndarray, seed: int) -> None:
 
 def chain(n: int) -> list[bytes]:
     return [secrets.token_bytes(32) for _ in range(n)]
-
-
-def pct(values: Sequence[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values, dtype=np.float64), q))
-
-
-def lat_summary(ns: Sequence[int]) -> dict[str, Any]:
-    us = [v / 1e3 for v in ns]
-    return {"n": len(us), "p50_us": pct(us, 50), "p99_us": pct(us, 99), "mean_us": statistics.fmean(us),
-            "min_us": min(us), "max_us": max(us)}
 
 
 def rate_summary(seconds: Sequence[float], nbytes: int) -> dict[str, Any]:
@@ -1059,7 +1049,7 @@ class Bench:
         self.run(writer.clear())
         self.run(lk_writer.clear())
         self.redis.r.flushall()
-        out = {k: lat_summary(v) for k, v in samples.items()}
+        out = {k: latency_summary_us(v) for k, v in samples.items()}
         out["one_block_size"] = size
         return out
 
@@ -1142,7 +1132,7 @@ class Bench:
         self.drop(conn, bg)
         self.run(call_writer.clear())
         self.run(bg_writer.clear())
-        out: dict[str, Any] = {op: lat_summary(v) for op, v in samples.items()}
+        out: dict[str, Any] = {op: latency_summary_us(v) for op, v in samples.items()}
         out["blocks"] = CALL_BLOCKS
         out["page"] = CALL_PAGE
         out["background"] = {"blocks": bg_n, "page": bg_page, "loads_completed": bg_done[0],

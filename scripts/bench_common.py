@@ -4,9 +4,20 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
+from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from cluster.process import die_with_parent, pid_alive  # noqa: F401 - the benchmark and the soak import them from here
+
+
+def latency_summary_us(samples_ns: Sequence[int]) -> dict[str, Any]:
+    """Latency samples in ns as µs: count, p50 and p99 (linear interpolation), mean, min and max."""
+    us = np.asarray(samples_ns, dtype=np.float64) / 1e3
+    return {"n": len(us), "p50_us": float(np.percentile(us, 50)), "p99_us": float(np.percentile(us, 99)),
+            "mean_us": statistics.fmean(us.tolist()), "min_us": float(us.min()), "max_us": float(us.max())}
 
 
 def machine_info() -> dict[str, Any]:

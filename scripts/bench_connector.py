@@ -92,7 +92,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `cluster` and `connector` live at the repository root
     sys.path.insert(0, str(ROOT))
 
-from bench_common import machine_info  # noqa: E402
+from bench_common import latency_summary_us, machine_info  # noqa: E402
 from dkv.errors import DKVError  # noqa: E402
 from dkv.units import format_size, parse_size  # noqa: E402
 
@@ -119,12 +119,6 @@ class BenchError(RuntimeError):
 
 def percentile(values: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(values, dtype=np.float64), q * 100.0))
-
-
-def summary_us(samples_ns: Sequence[int]) -> dict[str, Any]:
-    us = [s / 1e3 for s in samples_ns]
-    return {"n": len(us), "p50_us": percentile(us, 0.5), "p99_us": percentile(us, 0.99),
-            "mean_us": statistics.fmean(us), "max_us": max(us), "min_us": min(us)}
 
 
 def rates(samples: Sequence[float], nbytes: int) -> dict[str, Any]:
@@ -212,7 +206,7 @@ class Samples:
         self.gc.append(gc_ran)
 
     def summary(self) -> dict[str, Any]:
-        out = summary_us(self.ns)
+        out = latency_summary_us(self.ns)
         out["with_gc"] = sum(self.gc)
         quiet = [ns for ns, g in zip(self.ns, self.gc) if not g]
         out["p50_us_without_gc"] = percentile([q / 1e3 for q in quiet], 0.5) if quiet else None

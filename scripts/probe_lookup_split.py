@@ -38,11 +38,6 @@ PAGE = 4096
 TIMEOUT = 10.0
 
 
-def p(values: list[int], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * q))] / 1000
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hashes", type=int, default=1)
@@ -55,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from bench_common import latency_summary_us
     from cluster.process import start_node
     from connector.dkv_connector import DKVConnector
     from connector.types import full_attention
@@ -126,9 +122,10 @@ def main(argv: list[str] | None = None) -> int:
                 if round_no:
                     samples[name] += got
         print(f"leased lookup of {args.hashes} hash(es), same-host, {args.rounds - 1} rounds x {args.samples}")
-        for name, values in samples.items():
-            print(f"  {name:12s} p50 {p(values, 0.5):8.1f} µs   p99 {p(values, 0.99):8.1f} µs")
-        added = p(samples["connector"], 0.5) - p(samples["raw_on_loop"], 0.5) - p(samples["hop"], 0.5)
+        summaries = {name: latency_summary_us(values) for name, values in samples.items()}
+        for name, summary in summaries.items():
+            print(f"  {name:12s} p50 {summary['p50_us']:8.1f} µs   p99 {summary['p99_us']:8.1f} µs")
+        added = summaries["connector"]["p50_us"] - summaries["raw_on_loop"]["p50_us"] - summaries["hop"]["p50_us"]
         print(f"  the connector adds (p50): {added:.1f} µs around the node's round trip and one hop")
         if args.profile:
             for name in ("connector", "raw_on_loop"):
