@@ -402,9 +402,11 @@ def run_demo(config: DemoConfig, out: Path, *, etcd: str | None = None, cluster:
             print(f"starting a local cluster (etcd + {config.engines} nodes) in {workdir}")
             record = local.up(workdir / "cluster", config.engines, pool=config.pool, cluster=cluster)
             nodes = [(n.node_id, n.address) for n in record.nodes]
+            started_pids = [record.etcd_pid, *(n.pid for n in record.nodes)]
             etcd_url = record.etcd_url
         else:
             nodes = _members(etcd, cluster)
+            started_pids = []
             etcd_url = etcd
             if not nodes:
                 raise RuntimeError(f"no live dKV node in cluster {cluster!r} at {etcd}")
@@ -414,6 +416,7 @@ def run_demo(config: DemoConfig, out: Path, *, etcd: str | None = None, cluster:
         records, walls, namespace = _run_all(config, logs, nodes, etcd_url, cluster, pids)
         summary = summarize(config.model, config.block_size, records, walls)
         report = {**summary, "namespace": namespace, "nodes": [n for n, _ in nodes], "engine_pids": pids,
+                  "cluster_pids": started_pids,  # etcd and nodes this run started (none on a given etcd)
                   "config": {k: v for k, v in asdict(config).items() if k != "model"},
                   "model": asdict(config.model),
                   "requests_detail": [asdict(r) for rs in records.values() for r in rs]}

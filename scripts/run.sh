@@ -53,7 +53,9 @@ case "$cmd" in
     ;;
   test)
     setup test,max,bench   # with Modular MAX (its own KV cache manager driven over dKV) and redis-py (scripts/bench.py)
-    exec "$VENV/bin/python" -m pytest -q "$@"
+    # two workers (pytest-xdist), a test file per worker at a time: most tests wait on real processes,
+    # so two keep a 2-core machine busy; DKV_TEST_WORKERS=0 runs them in this process, one by one
+    exec "$VENV/bin/python" -m pytest -q -n "${DKV_TEST_WORKERS:-2}" --dist loadfile "$@"
     ;;
   setup)
     setup test,max,bench

@@ -56,7 +56,6 @@ def test_second_up_in_the_same_directory_is_refused(tmp_path: Path) -> None:
 
 
 def test_demo_compares_three_configurations_bit_exact_and_cleans_up(tmp_path: Path) -> None:
-    shm_before = set(os.listdir("/dev/shm"))
     result = _dkv("demo", "--small", "--out", str(tmp_path / "out"), timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "report.json").read_text())
@@ -84,8 +83,10 @@ def test_demo_compares_three_configurations_bit_exact_and_cleans_up(tmp_path: Pa
         assert 0 < p["ttft_p50_ms"] <= p["ttft_p99_ms"]
     assert (tmp_path / "out" / "chart.png").stat().st_size > 1000
     assert "every loaded continuation bit-exact" in result.stdout
-    left = {n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("dkv-node-")}
-    assert left == set(), "the demo's cluster must be torn down"
+    assert len(report["cluster_pids"]) == 1 + 3, "etcd and a node per engine"
+    assert not [p for p in report["cluster_pids"] if pid_alive(p)], "the demo's cluster must be torn down"
+    left = _segments_of(report["cluster_pids"])
+    assert left == set(), f"the demo's nodes left segments behind: {left}"
     assert len(report["engine_pids"]) == 3
     assert not [p for p in report["engine_pids"] if pid_alive(p)], "the demo's engine processes must be gone"
 
