@@ -982,15 +982,22 @@ class Store:
         touches, loaded lookups, a same-host lease's end)."""
         stamp = next(self._stamps)
         tenants, orders, push = self._tenants, self._orders, heapq.heappush
+        tenant: str | None = None
+        heap: list[tuple[int, int, int, StoreKey]] = []
+        pushed: list[TenantUsage] = []  # whose heaps grew: checked once the batch is in, not per block
         for block, depth in zip(held, depths):
             order = next(orders)
             block.stamp, block.depth, block.order = stamp, depth, order
             if block.offset >= 0:
-                usage = tenants[block.tenant]
-                heap = usage.heap
+                if block.tenant != tenant:  # a batch is mostly one credential's: one lookup per run of it
+                    tenant = block.tenant
+                    usage = tenants[tenant]
+                    heap = usage.heap
+                    pushed.append(usage)
                 push(heap, (stamp, -depth, order, block.key))
-                if len(heap) > 2 * usage.host_blocks + HEAP_SLACK:
-                    self._compact_recency(usage)
+        for usage in pushed:  # a heap exceeds its bound by at most this one batch, and only until here
+            if len(usage.heap) > 2 * usage.host_blocks + HEAP_SLACK:
+                self._compact_recency(usage)
 
     def _restamp(self, block: Block, stamp: int, depth: int) -> None:
         block.stamp, block.depth, block.order = stamp, depth, next(self._orders)
