@@ -1,0 +1,101 @@
+"""``LoopThread.run``: a blocking call's hop to the loop thread returns, raises, times out and cancels as it says.
+
+A loop thread of its own here, without UCX (its set-up and drain hold no
+transport), so these pin the hop itself; every connector test crosses the
+shared one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import warnings
+from collections.abc import Iterator
+
+import pytest
+
+from dkv.loop_thread import LoopThread
+
+BOUND = 10.0  # generous: these machines are noisy
+
+
+class _BareLoopThread(LoopThread):
+    """A LoopThread that neither holds nor stops UCX: only the loop and its thread."""
+
+    async def _init(self) -> None:
+        pass
+
+    async def _drain(self) -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@pytest.fixture
+def loop_thread() -> Iterator[LoopThread]:
+    thread = _BareLoopThread(name="dkv-test-loop")
+    yield thread
+    thread.stop()
+    assert not thread.alive
+
+
+def test_run_returns_the_result_computed_on_the_loop_thread(loop_thread: LoopThread) -> None:
+    async def where() -> tuple[str, int]:
+        await asyncio.sleep(0)  # suspends once: the task goes on after the first step
+        return threading.current_thread().name, 42
+
+    for _ in range(200):  # many calls: each gets its own answer, none is lost
+        assert loop_thread.run(where(), BOUND) == ("dkv-test-loop", 42)
+
+
+def test_run_raises_what_the_coroutine_raised(loop_thread: LoopThread) -> None:
+    class Odd(Exception):
+        pass
+
+    async def fails() -> None:
+        raise Odd("from the loop")
+
+    with pytest.raises(Odd, match="from the loop"):
+        loop_thread.run(fails(), BOUND)
+
+
+def test_a_run_past_its_timeout_raises_timeout_error_and_cancels_the_coroutine(loop_thread: LoopThread) -> None:
+    cancelled = threading.Event()
+
+    async def hangs() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    with pytest.raises(TimeoutError, match="did not finish within 0.2s"):
+        loop_thread.run(hangs(), 0.2)
+    assert cancelled.wait(BOUND), "a timed-out call must not leave its coroutine running on the loop"
+    assert loop_thread.run(asyncio.sleep(0, "still serving"), BOUND) == "still serving"
+
+
+def test_a_coroutine_cancelled_on_the_loop_raises_the_futures_cancelled_error(loop_thread: LoopThread) -> None:
+    async def cancelled_from_within() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()
+        await asyncio.sleep(0)
+
+    # an Exception (not asyncio's BaseException), as concurrent.futures has always raised: callers catch it
+    with pytest.raises(concurrent.futures.CancelledError):
+        loop_thread.run(cancelled_from_within(), BOUND)
+
+
+def test_run_on_a_stopped_loop_raises_runtime_error_and_closes_the_coroutine(loop_thread: LoopThread) -> None:
+    loop_thread.stop()
+
+    async def never() -> None:
+        raise AssertionError("must not run")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # "coroutine ... was never awaited" would be one
+        with pytest.raises(RuntimeError, match="stopped"):
+            loop_thread.run(never(), BOUND)
