@@ -50,6 +50,9 @@ GIL_FREE_COPY_MIN = 128 * 1024
 # would only take turns at the GIL.
 PARALLEL_COPY_MIN = 4 << 20
 COPY_THREADS = 2
+# Loads of at most this many keys are planned a Python step per key: numpy's fixed cost per array pass
+# (a dozen passes, a few µs each) is most of a one-block load's plan.
+FEW_KEYS = 8
 _CHECKSUM = np.dtype((np.void, CHECKSUM_SIZE))  # one packed checksum, gathered by index with its neighbours
 
 
@@ -89,7 +92,9 @@ class LeaseSlots:
         """Each key's slot offset, and their checksums packed in key order; ``None`` when any key cannot be copied this way.
 
         ``sizes`` are the destination sizes, which must be the slots' own.
-        Array passes over the whole load, not a Python step per key.
+        Array passes over the whole load, not a Python step per key; a load of
+        at most :data:`FEW_KEYS` keys takes one Python step per key instead
+        (:meth:`_plan_few`: the same answer, without numpy's fixed cost per pass).
         """
         n = len(keys)
         if n != len(sizes):
@@ -101,6 +106,30 @@ class LeaseSlots:
         rows = list(map(self._index.get, map(operator.itemgetter(2), keys)))
         if None in rows:
             return None
+        if n <= FEW_KEYS:
+            return self._plan_few(keys, sizes, rows)
+        return self._plan_arrays(keys, sizes, rows)
+
+    def _plan_few(self, keys: Sequence[Any], sizes: Sequence[int], rows: Sequence[int]) -> tuple[list[int], bytes] | None:
+        """:meth:`_plan` of a few keys, each known to the lease (``rows``: its hash's place), a step per key."""
+        shards, limit, slots = self.shards, self.mapping.size, self._slots
+        offsets: list[int] = []
+        sums: list[bytes] = []
+        for (leaf, shard, _), size, row in zip(keys, sizes, rows):
+            entry = slots.get(leaf)
+            if entry is None or not 0 <= shard < shards:
+                return None
+            at = row * shards + shard
+            offset, slot_size = int(entry[0][at]), int(entry[1][at])
+            if offset < 0 or slot_size != size or offset + slot_size > limit:
+                return None
+            offsets.append(offset)
+            sums.append(entry[2][at].tobytes())
+        return offsets, b"".join(sums)
+
+    def _plan_arrays(self, keys: Sequence[Any], sizes: Sequence[int], rows: Sequence[int]) -> tuple[list[int], bytes] | None:
+        """:meth:`_plan` of keys each known to the lease (``rows``: its hash's place), in array passes."""
+        n = len(keys)
         shard = np.fromiter(map(operator.itemgetter(1), keys), dtype=np.int64, count=n)
         if not (0 <= int(shard.min()) and int(shard.max()) < self.shards):
             return None

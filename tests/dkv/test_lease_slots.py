@@ -170,3 +170,38 @@ async def test_a_load_in_any_key_order_across_leaves_and_shards_gets_each_keys_o
     assert await slots.copy([], []) is True
     mapping.data[where[keys[3]] + 7] ^= 0xFF  # one block among several changed under the lease
     assert await slots.copy(keys, [memoryview(d) for d in dests]) is False
+
+
+def test_a_few_keys_are_planned_one_step_each_with_the_same_answer_as_the_array_passes() -> None:
+    """Small loads skip numpy (``_plan_few``); on any keys, valid or not, both plans agree."""
+    import random
+
+    from dkv.lease_slots import FEW_KEYS
+
+    rng = random.Random(7)
+    small, shards = 4096, 2
+    hashes = [bytes([i + 1]) * 32 for i in range(4)]
+    leaves = ("A", "B")
+    mapping = FakeMapping(len(leaves) * len(hashes) * shards * small)
+    raw = {}
+    for n, leaf in enumerate(leaves):
+        offsets = [((n * len(hashes) + i) * shards + s) * small for i in range(len(hashes)) for s in range(shards)]
+        offsets[3] = -1  # a block the lookup reported absent on that shard
+        offsets[5] = mapping.size - small // 2  # a slot that would run past the mapping
+        sums = [bytes([n, i]) * 8 for i in range(len(offsets))]
+        raw[leaf] = [array("q", offsets).tobytes(), array("q", [small] * len(offsets)).tobytes(), b"".join(sums)]
+    slots = LeaseSlots(mapping, hashes, shards, raw, live_until=time.monotonic() + 60)
+    slots._index = {h: i for i, h in enumerate(hashes)}
+    outcomes = set()
+    for _ in range(3000):
+        n = rng.randint(1, FEW_KEYS)
+        keys = [(rng.choice(("A", "B", "A", "B", "C")), rng.choice((0, 1, 0, 1, 2, -1)), rng.choice(hashes))
+                for _ in range(n)]
+        sizes = [rng.choice((small, small, small, small - 1)) for _ in keys]
+        rows = [slots._index[k[2]] for k in keys]
+        few, arrays = slots._plan_few(keys, sizes, rows), slots._plan_arrays(keys, sizes, rows)
+        assert few == arrays, (keys, sizes)
+        outcomes.add(few is None)
+    assert outcomes == {True, False}, "both plannable and refused loads were drawn"
+    assert slots._plan([("B", 0, hashes[1])], [small]) == ([((1 * 4 + 1) * 2 + 0) * small], bytes([1, 2]) * 8)
+    assert slots._plan([("B", 1, hashes[2])], [small]) is None  # its slot runs past the mapping
