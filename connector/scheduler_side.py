@@ -254,6 +254,7 @@ class SchedulerSide:
         self.counters = ConnectorCounters()
         self._count_lock = threading.Lock()  # counters are written from both threads
         self.load_seconds = load_duration_histogram()  # observed on the loop thread, per load that landed
+        self._load_seconds_of: dict[bool, Any] = {}  # its child per source, made on first use (labels() locks)
         self._metrics = KVCacheMetrics()
         self._metrics_lock = threading.Lock()
         self.last_lookup: dict[int, LeaseState] = {}  # scheduler thread: each replica's lookup() lease
@@ -343,6 +344,13 @@ class SchedulerSide:
             by_reason = getattr(self._metrics, "dkv_hints_rejected_by_reason", None)
             if by_reason is not None:
                 by_reason[reason] = by_reason.get(reason, 0) + 1
+
+    def observe_load(self, peer: bool, seconds: float) -> None:
+        """Loop thread: one load that landed, from a peer or from the co-located node, took ``seconds``."""
+        child = self._load_seconds_of.get(peer)
+        if child is None:
+            child = self._load_seconds_of[peer] = self.load_seconds.labels("peer" if peer else "local")
+        child.observe(seconds)
 
     def count_lookup(self, state: LeaseState | None) -> None:
         """Any thread (the loop thread for handles): count one lookup's outcome."""

@@ -454,7 +454,7 @@ class WorkerSide:
             # the read ended the lease on the node (or its failure did: a refused read, or the
             # connection closing); a lease the node still holds, if any, lapses with its TTL
             sched.budget.give_back_lease(state.address, state.lease_id)  # type: ignore[arg-type]
-        sched.load_seconds.labels("peer" if state.peer else "local").observe(time.perf_counter() - started)
+        sched.observe_load(state.peer, time.perf_counter() - started)
         sched.count(blocks_loaded=len(keys), bytes_loaded=plan.nbytes)
         sched.add_metrics(h2d_bytes_copied=plan.nbytes, dkv_peer_loads=int(state.peer))
         return finish()
