@@ -76,10 +76,14 @@ class LoopThread:
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Schedule ``coro`` on the loop; returns at once. Raises ``RuntimeError`` once stopped."""
+        self._refuse_when_stopped(coro)
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def _refuse_when_stopped(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """``RuntimeError`` (``coro`` closed, never run) once the loop is stopped."""
         if not self.alive:
             coro.close()
             raise RuntimeError("the connector's event loop is stopped")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
         """Run ``coro`` on the loop and wait for it, at most ``timeout`` seconds (then ``TimeoutError``).
@@ -94,9 +98,7 @@ class LoopThread:
         :meth:`submit`'s ``concurrent.futures.Future``, chained to the task,
         costs about twice as much (measured by ``scripts/probe_lookup_split.py``).
         """
-        if not self.alive:
-            coro.close()
-            raise RuntimeError("the connector's event loop is stopped")
+        self._refuse_when_stopped(coro)
         loop = self.loop
         finished = threading.Lock()
         finished.acquire()
