@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 import time
 from array import array
@@ -12,7 +13,7 @@ import pytest
 
 from dkv.checksum import block_checksum
 from dkv.errors import ProtocolError
-from dkv.lease_slots import COPY_THREADS, OFF_LOOP_COPY_MIN, PARALLEL_COPY_MIN, LeaseSlots, _split_by_bytes
+from dkv.lease_slots import COPY_THREADS, FEW_KEYS, OFF_LOOP_COPY_MIN, PARALLEL_COPY_MIN, LeaseSlots, _split_by_bytes
 
 BLOCK = 1 << 20  # at OFF_LOOP_COPY_MIN: copied on a worker thread
 
@@ -174,10 +175,6 @@ async def test_a_load_in_any_key_order_across_leaves_and_shards_gets_each_keys_o
 
 def test_a_few_keys_are_planned_one_step_each_with_the_same_answer_as_the_array_passes() -> None:
     """Small loads skip numpy (``_plan_few``); on any keys, valid or not, both plans agree."""
-    import random
-
-    from dkv.lease_slots import FEW_KEYS
-
     rng = random.Random(7)
     small, shards = 4096, 2
     hashes = [bytes([i + 1]) * 32 for i in range(4)]
