@@ -84,7 +84,7 @@ class LeaseSlots:
         self.mapping = mapping
         self.shards = shards
         self.live_until = live_until
-        self._hashes = hashes
+        self._hashes = hashes if type(hashes) is list else list(hashes)  # compared with lists (_plan_prefix)
         self._index: dict[bytes, int] | None = None  # built on first use: most lookups are never loaded
         self._slots = slots
 
@@ -101,6 +101,10 @@ class LeaseSlots:
             return None
         if not n:
             return [], b""
+        if n > FEW_KEYS and self.shards == 1 and len(self._slots) == 1:
+            prefix = self._plan_prefix(keys, sizes)
+            if prefix is not False:
+                return prefix
         if self._index is None:
             self._index = {h: i for i, h in enumerate(self._hashes)}
         rows = list(map(self._index.get, map(operator.itemgetter(2), keys)))
@@ -109,6 +113,29 @@ class LeaseSlots:
         if n <= FEW_KEYS:
             return self._plan_few(keys, sizes, rows)
         return self._plan_arrays(keys, sizes, rows)
+
+    def _plan_prefix(self, keys: Sequence[Any], sizes: Sequence[int]) -> tuple[list[int], bytes] | None | bool:
+        """:meth:`_plan` of a load of the lease's own prefix, in order: ``False`` when ``keys`` are not that.
+
+        The usual load (``load_lookup`` of what its lookup found): one leaf,
+        one shard, the looked-up hashes from the first on. Their places in
+        the slot map are then ``0..n-1``, so no key is looked up and the map
+        is sliced, not gathered. Refusals are the general plan's.
+        """
+        n = len(keys)
+        (leaf, entry), = self._slots.items()
+        if (n > len(self._hashes) or list(map(operator.itemgetter(2), keys)) != self._hashes[:n]
+                or set(map(operator.itemgetter(0), keys)) != {leaf}):
+            return False
+        if set(map(operator.itemgetter(1), keys)) != {0}:
+            return None  # a shard this one-shard lease does not have
+        offsets, slot_sizes = entry[0][:n], entry[1][:n]
+        size = sizes[0]
+        wanted = size if list(sizes).count(size) == n else np.asarray(sizes, dtype=np.int64)
+        if ((offsets < 0).any() or (slot_sizes != wanted).any()
+                or int((offsets + slot_sizes).max()) > self.mapping.size):
+            return None
+        return offsets.tolist(), entry[2][:n].tobytes()
 
     def _plan_few(self, keys: Sequence[Any], sizes: Sequence[int], rows: Sequence[int]) -> tuple[list[int], bytes] | None:
         """:meth:`_plan` of a few keys, each known to the lease (``rows``: its hash's place), a step per key."""

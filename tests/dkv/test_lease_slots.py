@@ -202,3 +202,51 @@ def test_a_few_keys_are_planned_one_step_each_with_the_same_answer_as_the_array_
     assert outcomes == {True, False}, "both plannable and refused loads were drawn"
     assert slots._plan([("B", 0, hashes[1])], [small]) == ([((1 * 4 + 1) * 2 + 0) * small], bytes([1, 2]) * 8)
     assert slots._plan([("B", 1, hashes[2])], [small]) is None  # its slot runs past the mapping
+
+
+def test_a_load_of_the_leases_own_prefix_is_planned_by_slicing_with_the_same_answer() -> None:
+    """``load_lookup``'s usual shape (one leaf, one shard, the looked-up hashes in order) skips the per-key gather.
+
+    On random loads near that shape, valid or not, the prefix plan either
+    declines (``False``: not a prefix) or agrees with the array passes.
+    """
+    rng = random.Random(11)
+    small, count = 4096, 40
+    hashes = [bytes([i + 1]) * 32 for i in range(count)]
+    mapping = FakeMapping(count * small)
+    offsets = [i * small for i in range(count)]
+    offsets[30] = -1  # a block the lookup reported absent
+    offsets[35] = mapping.size - small // 2  # a slot that would run past the mapping
+    sums = [bytes([i]) * 16 for i in range(count)]
+    raw = {"A": [array("q", offsets).tobytes(), array("q", [small] * count).tobytes(), b"".join(sums)]}
+    slots = LeaseSlots(mapping, tuple(hashes), 1, raw, live_until=time.monotonic() + 60)
+    index = {h: i for i, h in enumerate(hashes)}
+    taken = {"planned": 0, "refused": 0, "declined": 0}
+    for _ in range(2000):
+        n = rng.randint(FEW_KEYS + 1, count)
+        keys = [("A", 0, h) for h in hashes[:n]]
+        sizes = [small] * n
+        change = rng.choice(("none", "none", "leaf", "shard", "size", "order", "foreign"))
+        at = rng.randrange(n)
+        if change == "leaf":
+            keys[at] = ("B", 0, keys[at][2])
+        elif change == "shard":
+            keys[at] = ("A", rng.choice((1, -1)), keys[at][2])
+        elif change == "size":
+            sizes[at] = small - 1
+        elif change == "order" and n > 1:
+            keys[0], keys[-1] = keys[-1], keys[0]
+        elif change == "foreign":
+            keys[at] = ("A", 0, b"\xee" * 32)
+        prefix = slots._plan_prefix(keys, sizes)
+        if prefix is False:
+            taken["declined"] += 1
+            assert change in ("leaf", "order", "foreign")
+            continue
+        rows = [index[k[2]] for k in keys]
+        assert prefix == slots._plan_arrays(keys, sizes, rows), (change, n, at)
+        assert slots._plan(keys, sizes) == prefix
+        taken["planned" if prefix is not None else "refused"] += 1
+    assert all(taken.values()), taken
+    whole = slots._plan([("A", 0, h) for h in hashes[:20]], [small] * 20)
+    assert whole == (offsets[:20], b"".join(sums[:20]))
