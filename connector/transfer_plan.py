@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from connector.copy_engine import Rows
-from dkv.keys import HASH_LENGTHS, BlockKey, check_hash
+from dkv.keys import HASH_LENGTHS, BlockKey, block_keys, check_hash
 
 _BYTES = {bytes}
 _LENGTHS = frozenset(HASH_LENGTHS)
@@ -50,8 +50,11 @@ class TransferPlan:
 
     def keys(self) -> list[BlockKey]:
         """One node key per block and shard, in the order of :meth:`rows`."""
-        return [BlockKey(run.leaf, shard, h) for run in self.runs for shard in range(len(run.shards))
-                for h in run.hashes]
+        keys: list[BlockKey] = []
+        for run in self.runs:
+            for shard in range(len(run.shards)):
+                keys += block_keys(run.leaf, shard, run.hashes)
+        return keys
 
     def rows(self) -> Rows:
         """One ``(shard tensor, block id)`` per block and shard, in the order of :meth:`keys`."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dkv.errors import ConfigError
-from dkv.keys import check_hash, check_namespace, derive_namespace
+from dkv.keys import BlockKey, block_keys, check_hash, check_namespace, derive_namespace
 from dkv.units import format_size, parse_address, parse_size
 
 
@@ -13,6 +13,14 @@ from dkv.units import format_size, parse_address, parse_size
 def test_hash_of_wrong_length_is_a_value_error(length: int) -> None:
     with pytest.raises(ValueError, match="8 bytes"):
         check_hash(b"x" * length)
+
+
+def test_block_keys_are_the_named_keys_of_one_leaf_and_shard_in_order() -> None:
+    hashes = [bytes([i]) * 8 for i in range(5)]
+    keys = block_keys("leaf", 3, hashes)
+    assert keys == [BlockKey("leaf", 3, h) for h in hashes]
+    assert all(type(k) is BlockKey for k in keys) and keys[2].hash == hashes[2] and keys[0].leaf == "leaf"
+    assert block_keys("leaf", 0, []) == []
 
 
 def test_hash_must_be_bytes() -> None:
