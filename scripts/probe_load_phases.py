@@ -1,0 +1,224 @@
+#!/usr/bin/env python
+"""Probe: where a same-host connector load's time goes, against memcpy and copy+checksum in the same run.
+
+Against one real node (started here, stopped by its PID at the end), a
+connector co-located with it loads ``--blocks`` blocks of ``--block-size``
+(one leaf, one shard, CPU ``uint8`` rows) the way ``scripts/bench.py`` times a
+load: ``start_lookup`` -> complete -> ``load_lookup`` -> complete. Each round
+also times, on the calling thread, two limits over the same bytes:
+
+  memcpy          ``np.copyto`` block by block between page-aligned buffers
+                  (the bench's baseline);
+  copy+checksum   the same copies, each block then checksummed (XXH3-128 of
+                  its key prefix and bytes, :mod:`dkv.checksum`): what a
+                  checked same-host copy cannot do without.
+
+Inside the load, timing wrappers (installed here, on the classes, for this
+process only) split it on the loop thread: the node round trip of the lookup
+(``NodeClient.lookup``), the read (``NodeClient.read``), its plan
+(``LeaseSlots._plan``) and the copy on the worker thread
+(``LeaseSlots._copy_and_verify``). Whatever the table does not name is
+wake-ups, hops and the connector's bookkeeping.
+
+``memcpy / copy+checksum`` is the highest ``load / memcpy`` ratio a checked
+load could reach if everything but its copy cost nothing.
+
+Usage: probe_load_phases.py [--blocks 256] [--block-size 64KiB] [--rounds 30]
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import functools
+import hashlib
+import os
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+LEAF = "a"
+PAGE = 4096
+TIMEOUT = 30.0
+WARMUP = 3
+
+
+@contextmanager
+def timed_methods(targets: list[tuple[type, str]], into: dict[str, list[float]]) -> Iterator[None]:
+    """Wrap each ``cls.name`` (plain or async) so that every call's seconds go into ``into["Cls.name"]``."""
+    saved = []
+    for cls, name in targets:
+        original = cls.__dict__[name]
+        label = f"{cls.__name__}.{name}"
+        samples = into.setdefault(label, [])
+        if asyncio_function(original):
+            @functools.wraps(original)
+            async def wrapper(*a: Any, _f: Any = original, _s: list[float] = samples, **k: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return await _f(*a, **k)
+                finally:
+                    _s.append(time.perf_counter() - t0)
+        else:
+            @functools.wraps(original)
+            def wrapper(*a: Any, _f: Any = original, _s: list[float] = samples, **k: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return _f(*a, **k)
+                finally:
+                    _s.append(time.perf_counter() - t0)
+        saved.append((cls, name, original))
+        setattr(cls, name, wrapper)
+    try:
+        yield
+    finally:
+        for cls, name, original in saved:
+            setattr(cls, name, original)
+
+
+def asyncio_function(fn: Any) -> bool:
+    import inspect
+    return inspect.iscoroutinefunction(fn)
+
+
+def wait_done(item: Any, what: str) -> None:
+    """Until a handle or transfer completes: on its future when it has one, else polling ``is_complete``."""
+    future = getattr(item, "_future", None)
+    if isinstance(future, concurrent.futures.Future):
+        event = threading.Event()
+        future.add_done_callback(lambda _f: event.set())
+        if not event.wait(TIMEOUT):
+            raise SystemExit(f"{what} did not complete within {TIMEOUT:.0f}s")
+    deadline = time.monotonic() + TIMEOUT
+    while not item.is_complete():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{what} did not complete within {TIMEOUT:.0f}s")
+        time.sleep(0.00005)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", type=int, default=256)
+    parser.add_argument("--block-size", default="64KiB")
+    parser.add_argument("--rounds", type=int, default=30)
+    args = parser.parse_args(argv)
+
+    import numpy as np
+    import torch
+
+    from cluster.process import start_node
+    from connector.dkv_connector import DKVConnector
+    from connector.types import full_attention
+    from connector.worker_side import WorkerSide
+    from dkv.checksum import block_checksum
+    from dkv.client import NodeClient
+    from dkv.lease_slots import LeaseSlots
+    from dkv.units import format_size, parse_size
+
+    size, count = parse_size(args.block_size), args.blocks
+    if size < 1 or size % PAGE or not 1 <= count <= 4096 or args.rounds < 1:
+        parser.error("--block-size a multiple of 4 KiB, --blocks in [1, 4096], --rounds >= 1")
+    pool = max(64 << 20, 2 * size * count + (16 << 20))
+    node = start_node("--log-level", "WARNING", pool=str(pool), exit_with_parent=True)
+    conn: Any = None
+    try:
+        hashes, h = [], b"\0" * 32
+        for i in range(count):
+            h = hashlib.sha256(h + i.to_bytes(4, "little")).digest()
+            hashes.append(h)
+        rows = torch.randint(0, 256, (count + 1, size), dtype=torch.uint8)
+        ids = list(range(1, count + 1))
+        conn = DKVConnector({LEAF: full_attention(0)}, [{LEAF: [rows]}], namespace="probe-phases",
+                            node=str(node.address), timeout=TIMEOUT)
+        wait_done(conn.offload({LEAF: ids}, {LEAF: hashes}), "the offload")
+        expected = rows[1:].clone()
+
+        def aligned(nbytes: int) -> Any:
+            raw = np.empty(nbytes + PAGE, dtype=np.uint8)
+            start = (-raw.ctypes.data) % PAGE
+            return raw[start:start + nbytes]
+
+        src, dst = aligned(size * count), aligned(size * count)
+        src[:] = np.frombuffer(expected.numpy().tobytes(), dtype=np.uint8)
+
+        def memcpy() -> float:
+            t0 = time.perf_counter()
+            for i in range(count):
+                np.copyto(dst[i * size:(i + 1) * size], src[i * size:(i + 1) * size])
+            return time.perf_counter() - t0
+
+        def copy_and_checksum() -> float:
+            t0 = time.perf_counter()
+            for i in range(count):
+                block = dst[i * size:(i + 1) * size]
+                np.copyto(block, src[i * size:(i + 1) * size])
+                block_checksum(LEAF, 0, hashes[i], block)
+            return time.perf_counter() - t0
+
+        phases: dict[str, list[float]] = {"lookup (start_lookup -> complete)": [], "load_lookup call": [],
+                                          "load (load_lookup -> complete)": [], "whole load": []}
+        limits: dict[str, list[float]] = {"memcpy": [], "copy+checksum": []}
+        inside: dict[str, list[float]] = {}
+        wrapped = [(NodeClient, "lookup"), (NodeClient, "read"), (LeaseSlots, "_plan"),
+                   (LeaseSlots, "_copy_and_verify"), (WorkerSide, "_read")]
+
+        def dkv_load() -> None:
+            rows[1:].zero_()
+            t0 = time.perf_counter()
+            handle = conn.start_lookup(hashes)
+            wait_done(handle, "start_lookup")
+            t1 = time.perf_counter()
+            if not all(handle.result()[LEAF]):
+                raise SystemExit("the lookup missed")
+            transfer = conn.load_lookup(handle, {LEAF: ids}, {LEAF: hashes})
+            t2 = time.perf_counter()
+            wait_done(transfer, "the load")
+            t3 = time.perf_counter()
+            if not torch.equal(rows[1:], expected):
+                raise SystemExit("the loaded rows are not the offloaded bytes")
+            for name, seconds in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
+                phases[name].append(seconds)
+
+        contenders: list[tuple[str, Callable[[], Any]]] = [
+            ("dkv", dkv_load), ("memcpy", lambda: limits["memcpy"].append(memcpy())),
+            ("copy+checksum", lambda: limits["copy+checksum"].append(copy_and_checksum()))]
+        with timed_methods(wrapped, inside):
+            for round_no in range(WARMUP + args.rounds):
+                if round_no == WARMUP:
+                    for samples in (*phases.values(), *limits.values(), *inside.values()):
+                        samples.clear()
+                shift = round_no % len(contenders)
+                for _, run in contenders[shift:] + contenders[:shift]:
+                    run()
+        if conn.counters.blocks_loaded < count * args.rounds:
+            raise SystemExit("the loads did not all load every block")
+
+        def p50_ms(samples: list[float]) -> float:
+            return statistics.median(samples) * 1e3
+
+        memcpy_ms = p50_ms(limits["memcpy"])
+        print(f"same-host load of {count} x {format_size(size)}, {args.rounds} rounds, p50 (ms); "
+              f"load average {os.getloadavg()[0]:.2f}")
+        for name, samples in (*limits.items(), *phases.items()):
+            print(f"  {name:36s} {p50_ms(samples):8.3f}   {p50_ms(samples) / memcpy_ms:5.2f} x memcpy")
+        print("  on the loop thread (and the copy's worker thread):")
+        for label, samples in inside.items():
+            print(f"    {label:34s} {p50_ms(samples):8.3f}   ({len(samples)} calls)")
+        whole = p50_ms(phases["whole load"])
+        print(f"  load / memcpy {memcpy_ms / whole:.2f}; at most {memcpy_ms / p50_ms(limits['copy+checksum']):.2f} "
+              "for a checked copy that costs nothing else")
+    finally:
+        if conn is not None:
+            conn.shutdown()
+        node.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
