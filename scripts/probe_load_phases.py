@@ -31,6 +31,7 @@ import argparse
 import concurrent.futures
 import functools
 import hashlib
+import inspect
 import os
 import statistics
 import sys
@@ -57,7 +58,7 @@ def timed_methods(targets: list[tuple[type, str]], into: dict[str, list[float]])
         original = cls.__dict__[name]
         label = f"{cls.__name__}.{name}"
         samples = into.setdefault(label, [])
-        if asyncio_function(original):
+        if inspect.iscoroutinefunction(original):
             @functools.wraps(original)
             async def wrapper(*a: Any, _f: Any = original, _s: list[float] = samples, **k: Any) -> Any:
                 t0 = time.perf_counter()
@@ -80,11 +81,6 @@ def timed_methods(targets: list[tuple[type, str]], into: dict[str, list[float]])
     finally:
         for cls, name, original in saved:
             setattr(cls, name, original)
-
-
-def asyncio_function(fn: Any) -> bool:
-    import inspect
-    return inspect.iscoroutinefunction(fn)
 
 
 def wait_done(item: Any, what: str) -> None:

@@ -1,0 +1,36 @@
+"""``scripts/probe_load_phases.py`` in a short run: it checks and splits the load and times both limits."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "probe_load_phases.py"
+
+
+@pytest.mark.timeout(120)
+def test_the_load_phase_probe_reports_the_limits_the_phases_and_the_loop_threads_split() -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--blocks", "16", "--block-size", "16KiB", "--rounds", "2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=110, check=False, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
+    assert "same-host load of 16 x 16.0 KiB, 2 rounds" in proc.stdout
+    for name in ("memcpy", "copy+checksum", "lookup (start_lookup -> complete)", "whole load"):
+        line = re.search(rf"^\s+{re.escape(name)}\s+([0-9.]+)\s+([0-9.]+) x memcpy$", proc.stdout, re.M)
+        assert line is not None, (name, proc.stdout)
+        assert float(line.group(1)) > 0
+    for label in ("NodeClient.lookup", "NodeClient.read", "LeaseSlots._plan", "LeaseSlots._copy_and_verify"):
+        line = re.search(rf"^\s+{re.escape(label)}\s+([0-9.]+)\s+\((\d+) calls\)$", proc.stdout, re.M)
+        assert line is not None, (label, proc.stdout)
+        assert float(line.group(1)) > 0 and int(line.group(2)) >= 2  # the same-host path ran, every round
+    assert re.search(r"load / memcpy [0-9.]+; at most [0-9.]+ for a checked copy", proc.stdout), proc.stdout
+
+
+def test_the_load_phase_probe_refuses_a_block_size_that_is_not_whole_pages() -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--block-size", "1000"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, check=False, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2 and "multiple of 4 KiB" in proc.stderr
