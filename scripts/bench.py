@@ -72,6 +72,7 @@ for _p in (str(ROOT), str(Path(__file__).resolve().parent)):
     if _p not in sys.path:  # `cluster` and `connector` live at the repository root; bench_common here
         sys.path.insert(0, _p)
 
+import bench_common  # noqa: E402
 from bench_common import die_with_parent, latency_summary_us, pid_alive  # noqa: E402
 from dkv.units import format_size, parse_size  # noqa: E402
 
@@ -181,22 +182,8 @@ def free_port() -> int:
 
 
 def wait_done(item: Any, what: str, timeout: float = OP_TIMEOUT) -> None:
-    """Until a connector handle or transfer completes; a failed load raises (``is_complete`` does).
-
-    Waits on the handle's future when it has one (no polling, no GIL contention from a spinning
-    waiter); otherwise polls the public ``is_complete()`` every 50 µs.
-    """
-    deadline = time.monotonic() + timeout
-    future = getattr(item, "_future", None)
-    if isinstance(future, concurrent.futures.Future):
-        event = threading.Event()
-        future.add_done_callback(lambda _f: event.set())
-        if not event.wait(timeout):
-            raise BenchError(f"{what} did not complete within {timeout:.0f}s")
-    while not item.is_complete():
-        if time.monotonic() > deadline:
-            raise BenchError(f"{what} did not complete within {timeout:.0f}s")
-        time.sleep(0.00005)
+    """Until a connector handle or transfer completes (:func:`bench_common.wait_done`); BenchError if it does not."""
+    bench_common.wait_done(item, what, timeout, BenchError)
 
 
 def proc_status(pid: int) -> dict[str, int]:

@@ -2,15 +2,38 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import platform
 import statistics
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from cluster.process import die_with_parent, pid_alive  # noqa: F401 - the benchmark and the soak import them from here
+
+
+def wait_done(item: Any, what: str, timeout: float, error: type[BaseException] = TimeoutError) -> None:
+    """Until a connector handle or transfer completes; ``error`` when it does not within ``timeout`` seconds.
+
+    A failed load raises (``is_complete`` does). Waits on the handle's future
+    when it has one (no polling, no GIL contention from a spinning waiter);
+    otherwise polls the public ``is_complete()`` every 50 µs.
+    """
+    deadline = time.monotonic() + timeout
+    future = getattr(item, "_future", None)
+    if isinstance(future, concurrent.futures.Future):
+        event = threading.Event()
+        future.add_done_callback(lambda _f: event.set())
+        if not event.wait(timeout):
+            raise error(f"{what} did not complete within {timeout:.0f}s")
+    while not item.is_complete():
+        if time.monotonic() > deadline:
+            raise error(f"{what} did not complete within {timeout:.0f}s")
+        time.sleep(0.00005)
 
 
 def latency_summary_us(samples_ns: Sequence[int]) -> dict[str, Any]:

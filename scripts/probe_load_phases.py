@@ -28,14 +28,12 @@ Usage: probe_load_phases.py [--blocks 256] [--block-size 64KiB] [--rounds 30]
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import functools
 import hashlib
 import inspect
 import os
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -83,21 +81,6 @@ def timed_methods(targets: list[tuple[type, str]], into: dict[str, list[float]])
             setattr(cls, name, original)
 
 
-def wait_done(item: Any, what: str) -> None:
-    """Until a handle or transfer completes: on its future when it has one, else polling ``is_complete``."""
-    future = getattr(item, "_future", None)
-    if isinstance(future, concurrent.futures.Future):
-        event = threading.Event()
-        future.add_done_callback(lambda _f: event.set())
-        if not event.wait(TIMEOUT):
-            raise SystemExit(f"{what} did not complete within {TIMEOUT:.0f}s")
-    deadline = time.monotonic() + TIMEOUT
-    while not item.is_complete():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{what} did not complete within {TIMEOUT:.0f}s")
-        time.sleep(0.00005)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=256)
@@ -108,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     import torch
 
+    from bench_common import wait_done as wait_until_done
     from cluster.process import start_node
     from connector.dkv_connector import DKVConnector
     from connector.types import full_attention
@@ -116,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     from dkv.client import NodeClient
     from dkv.lease_slots import LeaseSlots
     from dkv.units import format_size, parse_size
+
+    def wait_done(item: Any, what: str) -> None:
+        wait_until_done(item, what, TIMEOUT, SystemExit)
 
     size, count = parse_size(args.block_size), args.blocks
     if size < 1 or size % PAGE or not 1 <= count <= 4096 or args.rounds < 1:
