@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import operator
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -94,7 +94,9 @@ class LeaseSlots:
         ``sizes`` are the destination sizes, which must be the slots' own.
         Array passes over the whole load, not a Python step per key; a load of
         at most :data:`FEW_KEYS` keys takes one Python step per key instead
-        (:meth:`_plan_few`: the same answer, without numpy's fixed cost per pass).
+        (:meth:`_plan_few`: the same answer, without numpy's fixed cost per pass),
+        and a load of the lease's own prefix slices the slot map
+        (:meth:`_plan_prefix`: the same answer, without finding each key).
         """
         n = len(keys)
         if n != len(sizes):
@@ -114,7 +116,7 @@ class LeaseSlots:
             return self._plan_few(keys, sizes, rows)
         return self._plan_arrays(keys, sizes, rows)
 
-    def _plan_prefix(self, keys: Sequence[Any], sizes: Sequence[int]) -> tuple[list[int], bytes] | None | bool:
+    def _plan_prefix(self, keys: Sequence[Any], sizes: Sequence[int]) -> tuple[list[int], bytes] | None | Literal[False]:
         """:meth:`_plan` of a load of the lease's own prefix, in order: ``False`` when ``keys`` are not that.
 
         The usual load (``load_lookup`` of what its lookup found): one leaf,
