@@ -48,6 +48,7 @@ from dkv.store import (
     DEFAULT_RESERVATION_TTL,
     Store,
     StoreKey,
+    Use,
 )
 from dkv.transport import Connection, Listener, active_progress_mode, stop_progress
 from dkv.units import is_loopback
@@ -81,6 +82,12 @@ IDLE_SCAN_INTERVAL = 1.0  # how often idle connections are looked for
 # Touch and probe work through it in chunks of this cost, letting other connections in between.
 YIELD_COST = 2048
 COSTED_OPS = frozenset({"lookup", "probe", "touch"})
+# Ops after whose reply the leases in "ends" are stamped as used (they end before the op, as always): a
+# lookup answers sooner by the stamps' cost (~0.15 ms per 256 blocks). Other requests do not see the
+# difference: the stamps follow the reply's send with no await between. If the send has to wait (a full
+# socket, UCX), one that runs meanwhile may meet those blocks with their previous stamps, which changes
+# eviction order only. Only where the op cannot evict: with a disk tier a lookup may promote blocks.
+STAMPS_AFTER_REPLY = frozenset({"lookup"})
 # Descriptors one connection may hold in the node (measured: 3 for a UCX one, its connection-manager
 # socket and its data sockets; 1 for a same-host control socket), with a margin; and those the node
 # holds besides its connections.
@@ -618,9 +625,12 @@ class NodeServer:
             raise ProtocolError(f"the {ADMIN_NAMESPACE} namespace may only ask for stats")
         self.ops[op] = self.ops.get(op, 0) + 1
         started = time.perf_counter()  # request duration: from a valid request to its reply (and payloads) sent
+        uses: list[Use] | None = None  # the ended leases' stamps, when they are made after the reply
         try:
             if "ends" in request:  # leases the client loaded from on the same-host path (see dkv.wire)
-                self._end_used(peer, request["ends"])
+                if op in STAMPS_AFTER_REPLY and self._disk_worker is None:
+                    uses = []
+                self._end_used(peer, request["ends"], uses)
             handler: Callable[[_Peer, dict[str, Any]], Any] = getattr(self, f"_op_{op}")
             try:
                 if op in COSTED_OPS:
@@ -637,6 +647,8 @@ class NodeServer:
             observe = self.observe_request
             if observe is not None:
                 observe(op, time.perf_counter() - started)
+            if uses:
+                self._stamp_used(uses)
 
     @staticmethod
     def _authorise(peer: _Peer, op: str, request: dict[str, Any]) -> None:
@@ -678,20 +690,27 @@ class NodeServer:
         await self._reply(peer, masks=_pack_masks(masks), lease=lease.lease_id if lease else None,
                           ttl=self.config.lease_ttl, **extra)
 
-    def _end_used(self, peer: _Peer, lease_ids: Any) -> int:
-        """End leases whose blocks the client copied itself (same-host loads); how many were still held.
+    def _end_used(self, peer: _Peer, lease_ids: Any, uses: list[Use] | None = None) -> None:
+        """End leases whose blocks the client copied itself (same-host loads), stamping their blocks as used.
 
-        Their blocks' bytes count as moved out on the local path.
+        Their blocks' bytes count as moved out on the local path. With
+        ``uses``, the stamps and the count are left there for
+        :meth:`_stamp_used` (see :meth:`Store.end_used_lease`).
         """
         store, owner = self.store, peer.client_owner
-        ended = moved = 0
+        moved = 0
         for lease_id in lease_ids:
-            lease = store.leases.get(lease_id)
-            if lease is not None and lease.owner == owner:
-                moved += sum(block.size for block in lease.blocks)
-            ended += store.end_used_lease(lease_id, owner)
+            if uses is None:
+                lease = store.leases.get(lease_id)
+                if lease is not None and lease.owner == owner:
+                    moved += sum(block.size for block in lease.blocks)
+            store.end_used_lease(lease_id, owner, uses)
         self.traffic["out"]["local"] += moved
-        return ended
+
+    def _stamp_used(self, uses: list[Use]) -> None:
+        """The stamps (and the moved bytes) :meth:`_end_used` left in ``uses``."""
+        self.traffic["out"]["local"] += sum(block.size for blocks, _ in uses for block in blocks)
+        self.store.stamp_uses(uses)
 
     async def _op_end(self, peer: _Peer, req: dict[str, Any]) -> None:
         """Carries ``ends`` for a client with nothing else to send (ended in :meth:`_handle`)."""

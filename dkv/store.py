@@ -149,6 +149,9 @@ class Lease:
         return self._keys
 
 
+Use = tuple[list[Block], list[int]]  # one use still to be stamped: blocks and their depths (see Store.stamp_uses)
+
+
 @dataclass(slots=True)
 class Read:
     """A read in flight: its own pins on its blocks, held until its bytes have left."""
@@ -762,17 +765,43 @@ class Store:
             slots[leaf] = (offsets, sizes, sums)
         return slots
 
-    def end_used_lease(self, lease_id: int, owner: str) -> bool:
+    def end_used_lease(self, lease_id: int, owner: str, uses: list[Use] | None = None) -> bool:
         """End ``owner``'s lease after a same-host client copied its blocks: stamp them as one use, then unpin.
 
         The lease's blocks count as loaded (as :meth:`begin_read` stamps a
         read's). False (nothing done) when ``owner`` holds no such lease.
+
+        With ``uses`` (a list the caller keeps), the lease still ends now but
+        its stamp is left for :meth:`stamp_uses`: the lease's blocks and
+        depths are appended there. The server does this to answer a lookup
+        first and stamp after, off the lookup's critical path (see
+        :meth:`dkv.server.NodeServer._handle`); until then the blocks keep
+        their previous stamps.
         """
         lease = self.leases.get(lease_id)
         if lease is None or lease.owner != owner:
             return False
-        self._stamp_blocks(lease.blocks, lease.depths)
+        if uses is None:
+            self._stamp_blocks(lease.blocks, lease.depths)
+        else:
+            uses.append((lease.blocks, lease.depths))
         return self.end_lease(lease_id)
+
+    def stamp_uses(self, uses: Iterable[Use]) -> None:
+        """Make the stamps :meth:`end_used_lease` left in ``uses``: one use of each, in order.
+
+        A block no longer indexed (evicted, cleared or replaced since its lease
+        ended) is skipped: a stamp never brings a block back or touches its
+        successor.
+        """
+        blocks = self.blocks
+        for held, depths in uses:
+            if all(blocks.get(block.key) is block for block in held):
+                self._stamp_blocks(held, depths)
+                continue
+            live = [(block, depth) for block, depth in zip(held, depths) if blocks.get(block.key) is block]
+            if live:
+                self._stamp_blocks([block for block, _ in live], [depth for _, depth in live])
 
     def end_lease(self, lease_id: int) -> bool:
         """End a lease and unpin its blocks; False if it was not held. Idempotent."""

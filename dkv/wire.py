@@ -55,9 +55,12 @@ release); otherwise it reads the two-step way, which the node refuses.
 
 The client then ends the lease without a round trip of its own: any request
 after the handshake may carry ``"ends"``, a list of (at most 1024) lease ids
-the client loaded from; before the op itself, the node stamps those leases'
-blocks as one use and ends them. A client with no request to send soon sends
-an empty ``end`` op to carry them.
+the client loaded from; before the op itself, the node ends them, and stamps
+their blocks as one use (before the op, or for a lookup on a node without a
+disk tier right after its reply is sent, off the lookup's critical path;
+a request that runs while that send waits sees those blocks' previous
+stamps, which can change eviction order only). A client with no request to send soon
+sends an empty ``end`` op to carry them.
 
 Reads pin for themselves: a ``read`` takes its own pins on its blocks (and,
 with ``end``, ends its lease at once), held until the bytes have left. On the

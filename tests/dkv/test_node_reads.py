@@ -191,6 +191,29 @@ async def test_same_host_load_ends_its_lease_with_the_next_lookup(node_factory, 
     await reader.release(again.lease_id)
 
 
+async def test_a_same_host_load_counts_as_use_once_the_next_lookup_ends_its_lease(node_factory, clients,
+                                                                                 monkeypatch) -> None:
+    """The lookup answers before the node stamps the loaded blocks; the stamp still lands, before any other request."""
+    monkeypatch.setattr("dkv.client.END_FLUSH_DELAY", 600.0)  # no "end" request of its own: only the lookup's
+    node = node_factory("--pool", POOL)
+    writer = clients(node.address, local=False)
+    loaded, data = await _stored_blocks(writer)
+    others, _ = await _stored_blocks(writer)  # the pool is full, and the loaded blocks are the older half
+    reader = clients(node.address, local=True)
+    found = await reader.lookup(loaded, ["L"], group=1)
+    dests = [bytearray(BLOCK) for _ in range(HELD)]
+    await reader.read(found.lease_id, [BlockKey("L", 0, h) for h in loaded], dests)
+    assert [bytes(d) for d in dests] == data and reader.fast_reads == 1
+    again = await reader.lookup(others[:1], ["L"], group=2)  # carries the loaded lease's end
+    await reader.release(again.lease_id)
+    stats = await node_stats(node.address)
+    assert stats["bytes"]["out"]["local"] == HELD * BLOCK, stats["bytes"]
+    fresh = [BlockKey("L", 0, os.urandom(32)) for _ in range(HELD)]
+    assert (await writer.write(fresh, [b"\xee" * BLOCK] * HELD)).stored == HELD  # evicts the oldest half
+    present = await writer.lookup(loaded + others, ["L"], lease=False)
+    assert present.masks["L"] == [True] * HELD + [False] * HELD, "the loaded blocks must count as just used"
+
+
 async def test_same_host_copy_of_reused_slots_fails_its_checksum_and_falls_back_never_delivering(
         node_factory, clients) -> None:
     node = node_factory("--pool", POOL)

@@ -174,3 +174,37 @@ def test_a_leased_lookup_maps_the_slots_of_what_it_pins_in_the_same_pass(store: 
                 assert (offsets[j], sizes[j], sums[j]) == (block.offset, block.size, block.checksum)
     assert store.end_used_lease(lease.lease_id, "someone else") is False
     assert store.end_used_lease(lease.lease_id, "c") is True and store.pinned_blocks == 0
+
+
+def test_a_used_leases_stamp_can_be_left_for_later_and_then_counts_as_its_use(store: Store) -> None:
+    loaded, other = keys(chain(4, b"a")), keys(chain(4, b"b"))
+    put(store, loaded)
+    put(store, other)  # the pool (8 blocks) is full; the loaded blocks are the older ones
+    _, lease = store.lookup(NS, [k.hash for k in loaded], ["L"], 1, owner="c")
+    assert lease is not None
+    stamps = [store.blocks[k].stamp for k in loaded]
+    uses: list = []
+    assert store.end_used_lease(lease.lease_id, "c", uses) is True
+    assert lease.lease_id not in store.leases and store.pinned_blocks == 0  # ended at once
+    assert [store.blocks[k].stamp for k in loaded] == stamps and len(uses) == 1  # the stamp waits
+    store.stamp_uses(uses)
+    assert all(store.blocks[k].stamp > store.blocks[o].stamp for k in loaded for o in other)
+    assert put(store, keys(chain(4, b"new")), owner="other").count(WRITE) == 4
+    assert all(k in store.blocks for k in loaded) and not any(o in store.blocks for o in other)
+
+
+def test_a_stamp_left_for_later_skips_blocks_gone_or_replaced_meanwhile(store: Store) -> None:
+    loaded = keys(chain(3, b"g"))
+    put(store, loaded)
+    _, lease = store.lookup(NS, [k.hash for k in loaded], ["L"], 1, owner="c")
+    assert lease is not None
+    uses: list = []
+    assert store.end_used_lease(lease.lease_id, "c", uses) is True
+    store.clear(NS)  # every block gone; then one key written again: a new block under the old key
+    put(store, loaded[:1])
+    successor = store.blocks[loaded[0]]
+    stamp, heap = successor.stamp, list(store._tenants[successor.tenant].heap)
+    store.stamp_uses(uses)
+    assert successor.stamp == stamp  # the old block's use is not its successor's
+    assert store._tenants[successor.tenant].heap == heap  # nor an entry in the recency heap for a gone block
+    assert list(store.blocks) == loaded[:1]
