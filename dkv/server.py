@@ -628,9 +628,10 @@ class NodeServer:
         uses: list[Use] | None = None  # the ended leases' stamps, when they are made after the reply
         try:
             if "ends" in request:  # leases the client loaded from on the same-host path (see dkv.wire)
-                if op in STAMPS_AFTER_REPLY and self._disk_worker is None:
-                    uses = []
-                self._end_used(peer, request["ends"], uses)
+                uses = self._end_used(peer, request["ends"])
+                if op not in STAMPS_AFTER_REPLY or self._disk_worker is not None:
+                    self._stamp_used(uses)
+                    uses = None
             handler: Callable[[_Peer, dict[str, Any]], Any] = getattr(self, f"_op_{op}")
             try:
                 if op in COSTED_OPS:
@@ -690,25 +691,18 @@ class NodeServer:
         await self._reply(peer, masks=_pack_masks(masks), lease=lease.lease_id if lease else None,
                           ttl=self.config.lease_ttl, **extra)
 
-    def _end_used(self, peer: _Peer, lease_ids: Any, uses: list[Use] | None = None) -> None:
-        """End leases whose blocks the client copied itself (same-host loads), stamping their blocks as used.
+    def _end_used(self, peer: _Peer, lease_ids: Any) -> list[Use]:
+        """End leases whose blocks the client copied itself (same-host loads); their stamps, for :meth:`_stamp_used`.
 
-        Their blocks' bytes count as moved out on the local path. With
-        ``uses``, the stamps and the count are left there for
-        :meth:`_stamp_used` (see :meth:`Store.end_used_lease`).
+        A lease ``peer`` does not hold is skipped (see :meth:`Store.end_used_lease`).
         """
-        store, owner = self.store, peer.client_owner
-        moved = 0
+        store, owner, uses = self.store, peer.client_owner, []
         for lease_id in lease_ids:
-            if uses is None:
-                lease = store.leases.get(lease_id)
-                if lease is not None and lease.owner == owner:
-                    moved += sum(block.size for block in lease.blocks)
             store.end_used_lease(lease_id, owner, uses)
-        self.traffic["out"]["local"] += moved
+        return uses
 
     def _stamp_used(self, uses: list[Use]) -> None:
-        """The stamps (and the moved bytes) :meth:`_end_used` left in ``uses``."""
+        """Stamp the blocks of the leases :meth:`_end_used` ended as one use each; their bytes count as moved out locally."""
         self.traffic["out"]["local"] += sum(block.size for blocks, _ in uses for block in blocks)
         self.store.stamp_uses(uses)
 
