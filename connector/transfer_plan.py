@@ -5,7 +5,7 @@ connector does there only what must happen before it returns: check every
 leaf, hash and block id (a bad one is a ``ValueError`` before anything moves).
 Turning the request into one node key and one ``(tensor, block id)`` row per
 block and TP shard is per-block Python work; :meth:`TransferPlan.keys` and
-:meth:`TransferPlan.rows` do it later, on the UCX loop thread.
+:meth:`TransferPlan.row_groups` do it later, on the UCX loop thread.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from connector.copy_engine import Rows
+from connector.copy_engine import RowGroups
 from dkv.keys import HASH_LENGTHS, BlockKey, block_keys, check_hash
 
 _BYTES = {bytes}
@@ -56,9 +56,9 @@ class TransferPlan:
                 keys += block_keys(run.leaf, shard, run.hashes)
         return keys
 
-    def rows(self) -> Rows:
-        """One ``(shard tensor, block id)`` per block and shard, in the order of :meth:`keys`."""
-        return [(tensor, block_id) for run in self.runs for tensor in run.shards for block_id in run.block_ids]
+    def row_groups(self) -> RowGroups:
+        """One ``(shard tensor, block ids)`` per leaf and shard: their rows, in the order of :meth:`keys`."""
+        return [(tensor, run.block_ids) for run in self.runs for tensor in run.shards]
 
     def block_ids(self) -> dict[str, list[int]]:
         return {run.leaf: run.block_ids for run in self.runs}

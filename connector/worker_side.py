@@ -435,8 +435,8 @@ class WorkerSide:
     async def _read(self, state: LeaseState, plan: TransferPlan) -> Completion:
         """Loop thread: read a lease's blocks into the plan's rows (the read ends the lease on the node)."""
         sched = self.sched
-        keys, rows = plan.keys(), plan.rows()
-        targets, finish = self.copy[plan.device].load_targets(rows)
+        keys = plan.keys()
+        targets, finish = self.copy[plan.device].load_targets(plan.row_groups())
         started = time.perf_counter()
         try:
             client = self.client(state.address)
@@ -460,16 +460,23 @@ class WorkerSide:
         return finish()
 
     def post_offload(self, plan: TransferPlan) -> Any:
-        """Scheduler thread: start a validated offload's device copy (CUDA: queued here) and post its write.
+        """Scheduler thread: fence a validated offload's rows (CUDA: an event on the compute stream) and post it.
+
+        The loop thread queues the device copy behind the fence, waits for it
+        to land, then writes.
 
         ``None`` when the loop is stopped (nothing was posted: the caller returns a completed transfer).
         """
-        sources, ready = self.copy[plan.device].offload_sources(plan.rows)
+        start_copy = self.copy[plan.device].offload_sources(plan.row_groups)
         sched = self.sched
 
         async def run() -> None:
-            while not ready.is_done():
-                await asyncio.sleep(0.0005)
+            try:
+                ready, sources = start_copy()
+                await ready.settled()  # the device-to-host copy landed (CUDA: woken by its event, no polling)
+            except Exception:
+                sched.count(offloads_failed=1)  # the device copy failed: nothing was sent
+                raise
             if sched.backing_off(self.node_address):  # found unanswering since this was posted: nothing sent
                 sched.drop_offload(plan)
                 return
@@ -723,6 +730,8 @@ class WorkerSide:
             await self.router.stop()
         clients = [*self.clients.values(), *self.closing]
         await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+        for engine in self.copy.values():
+            engine.close()
         if self.etcd_client is not None:
             try:
                 await self.etcd_client.close()

@@ -17,10 +17,13 @@ def shards(tp: int = 2, pages: int = 8) -> dict[str, list[torch.Tensor]]:
             "swa": [torch.zeros(pages, 32, dtype=torch.uint8) for _ in range(tp)]}
 
 
-def test_keys_and_rows_pair_every_block_of_every_shard_in_the_same_order() -> None:
+def test_keys_and_row_groups_pair_every_block_of_every_shard_in_the_same_order() -> None:
     tensors = shards()
     plan = plan_transfer({"full": [3, 5], "swa": [7]}, {"full": H[:2], "swa": H[2:3]}, tensors)
-    keys, rows = plan.keys(), plan.rows()
+    keys = plan.keys()
+    groups = plan.row_groups()
+    assert [ids for _, ids in groups] == [[3, 5], [3, 5], [7], [7]]
+    rows = [(tensor, block_id) for tensor, ids in groups for block_id in ids]
     assert len(keys) == len(rows) == 6
     for key, (tensor, block_id) in zip(keys, rows):
         assert tensor is tensors[key.leaf][key.shard]
