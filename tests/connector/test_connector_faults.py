@@ -96,3 +96,34 @@ def test_a_start_lookup_on_a_node_that_stopped_answering_completes_within_the_ti
         conn.abandon_lookup(handle)
     finally:
         node.resume()
+
+
+def test_an_offload_whose_device_copy_fails_completes_quietly_is_counted_and_blames_no_node(
+        node, connectors, monkeypatch) -> None:
+    """A device-to-host copy that fails on the loop thread stores nothing, is counted, and backs no node off."""
+    conn = connectors(node.address)
+    blocks = conn._blocks  # noqa: SLF001 - the connector's own device rows
+    leaves = list(blocks[0])
+    engine = next(iter(conn._worker.copy.values()))  # noqa: SLF001 - the one device of these rows
+    working = engine.offload_sources
+
+    def failing(groups):
+        def start():
+            raise RuntimeError("the device copy failed")
+        return start
+
+    monkeypatch.setattr(engine, "offload_sources", failing)
+    for leaf in leaves:
+        fill(blocks, leaf, [3, 4], seed=5)
+    lost = chain(2)
+    transfer = conn.offload({leaf: [3, 4] for leaf in leaves}, {leaf: lost for leaf in leaves})
+    wait(transfer)  # completes, quietly: the engine is not told an offload failed
+    assert conn.counters.offloads_failed == 1 and conn.counters.blocks_offloaded == 0
+    monkeypatch.setattr(engine, "offload_sources", working)
+    stored = chain(2)
+    wait(conn.offload({leaf: [3, 4] for leaf in leaves}, {leaf: stored for leaf in leaves}))
+    assert conn.counters.offloads_dropped == 0, "a device failure is not the node's: nothing is dropped after it"
+    assert conn.counters.blocks_offloaded == 2 * len(leaves)
+    masks = conn.lookup([*stored, *lost])
+    assert all(mask == [True, True, False, False] for mask in masks.values()), masks
+    conn.abandon_lookup(conn.start_lookup([]))
