@@ -238,34 +238,30 @@ class CopyEngine:
         flat = staging[group.offset:group.offset + group.nbytes]
         return flat.view(group.tensor.dtype).view(len(group.block_ids), *group.tensor.shape[1:])
 
-    def _scatter(self, staging: torch.Tensor, groups: list[RowGroup]) -> list[torch.Tensor]:
-        """Queue staging -> device rows (on the side stream); returns what must outlive the copies."""
-        keep: list[torch.Tensor] = []
-        for group in groups:
-            source = self._group_view(staging, group)
-            runs = id_runs(group.block_ids)
-            if len(runs) <= DIRECT_RUNS_MAX:
-                for index, first, count in runs:
-                    group.tensor[first:first + count].copy_(source[index:index + count], non_blocking=True)
-            else:
-                on_device = source.to(self.device, non_blocking=True)
-                index = self._index(group.block_ids)
-                group.tensor.index_copy_(0, index, on_device)
-                keep += (on_device, index)
-        return keep
+    def _move(self, staging: torch.Tensor, groups: list[RowGroup], *, to_device: bool) -> list[torch.Tensor]:
+        """Queue staging -> device rows (``to_device``) or back, on the side stream; returns what must outlive it.
 
-    def _gather(self, staging: torch.Tensor, groups: list[RowGroup]) -> list[torch.Tensor]:
-        """Queue device rows -> staging (on the side stream); returns what must outlive the copies."""
+        A group of at most :data:`DIRECT_RUNS_MAX` runs of block ids moves as
+        one slice copy per run; a longer one as one DMA of its whole staging
+        and one scatter (``index_copy_``) or gather (``index_select``) on the device.
+        """
         keep: list[torch.Tensor] = []
         for group in groups:
-            target = self._group_view(staging, group)
+            host, rows = self._group_view(staging, group), group.tensor
             runs = id_runs(group.block_ids)
             if len(runs) <= DIRECT_RUNS_MAX:
                 for index, first, count in runs:
-                    target[index:index + count].copy_(group.tensor[first:first + count], non_blocking=True)
+                    if to_device:
+                        rows[first:first + count].copy_(host[index:index + count], non_blocking=True)
+                    else:
+                        host[index:index + count].copy_(rows[first:first + count], non_blocking=True)
+            elif to_device:
+                on_device, index = host.to(self.device, non_blocking=True), self._index(group.block_ids)
+                rows.index_copy_(0, index, on_device)
+                keep += (on_device, index)
             else:
-                gathered = group.tensor.index_select(0, self._index(group.block_ids))
-                target.copy_(gathered, non_blocking=True)
+                gathered = rows.index_select(0, self._index(group.block_ids))
+                host.copy_(gathered, non_blocking=True)
                 keep.append(gathered)
         return keep
 
@@ -291,7 +287,7 @@ class CopyEngine:
 
         def finish() -> Completion:
             with self._stream_context():
-                keep = self._scatter(staging, laid)
+                keep = self._move(staging, laid, to_device=True)
                 return self._completion([staging, *keep])
 
         return self._host_views(staging, laid), finish
@@ -319,7 +315,7 @@ class CopyEngine:
             with self._stream_context():
                 if fence is not None:
                     self._stream.wait_event(fence)  # type: ignore[union-attr]
-                keep = self._gather(staging, laid)
+                keep = self._move(staging, laid, to_device=False)
                 completion = self._completion([staging, *keep])
             return completion, lambda: self._host_views(staging, laid)
 
