@@ -15,11 +15,17 @@ and tells an ended lease from corruption. A block without a checksum is never
 copied this way (the node announces offset ``-1``).
 
 Large copies run off the event loop, on worker threads, so the event loop
-and the engine's scheduler thread are not stalled by them. A block of at
-least ``GIL_FREE_COPY_MIN`` bytes is copied and hashed without the GIL (a
-smaller one is only copied without it), and a
-copy of at least ``PARALLEL_COPY_MIN`` bytes of such blocks is split by bytes
-across ``COPY_THREADS`` threads, each copying and checking its own blocks.
+and the engine's scheduler thread are not stalled by them. With the native
+checked copy (``dkv._checked_copy``, built at install where a C compiler and
+``xxhash.h`` are present; ``DKV_NATIVE_COPY=0`` turns it off) every block is
+copied and hashed without the GIL, a chunk at a time so the hash reads the
+copy while it is in cache, with XXH3's AVX2 code where the CPU has it.
+Without it (:data:`NATIVE` false) the copy runs in Python, where a block of
+at least ``GIL_FREE_COPY_MIN`` bytes is copied and hashed without the GIL and
+a smaller one only copied without it. A copy of at least
+``PARALLEL_COPY_MIN`` bytes of blocks hashed without the GIL is split by
+bytes across ``COPY_THREADS`` threads, each copying and checking its own
+blocks. Both give the same checksums (:func:`dkv.checksum.block_checksum`).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import operator
+import os
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -34,8 +41,14 @@ import numpy as np
 
 from dkv.arena import SegmentMapping
 from dkv.checksum import CHECKSUM_SIZE
-from dkv.checksum import block_checksum
+from dkv.checksum import block_checksum, block_prefix
 from dkv.errors import ProtocolError
+
+_native_copy_and_checksum: Any = None
+if os.environ.get("DKV_NATIVE_COPY", "1") != "0":  # DKV_NATIVE_COPY=0: the Python copy, to compare or to rule out
+    with contextlib.suppress(ImportError):  # built at install where a C compiler and xxhash.h are present
+        from dkv._checked_copy import copy_and_checksum as _native_copy_and_checksum
+NATIVE = _native_copy_and_checksum is not None
 
 # Copies of at least this many bytes in all run on a worker thread (numpy's copy releases the GIL);
 # smaller ones cost less than the hop to the thread and back.
@@ -199,7 +212,7 @@ class LeaseSlots:
         if total < OFF_LOOP_COPY_MIN:
             return self._copy_and_verify(keys, views, offsets, sums)
         loop = asyncio.get_running_loop()
-        gil_free = total >= PARALLEL_COPY_MIN and min(sizes) >= GIL_FREE_COPY_MIN
+        gil_free = total >= PARALLEL_COPY_MIN and (NATIVE or min(sizes) >= GIL_FREE_COPY_MIN)
         parts = _split_by_bytes(len(sizes), sizes, COPY_THREADS if gil_free else 1)
         copies = [loop.run_in_executor(None, self._copy_and_verify, keys[part], views[part], offsets[part],
                                        sums[part.start * CHECKSUM_SIZE: part.stop * CHECKSUM_SIZE])
@@ -216,6 +229,9 @@ class LeaseSlots:
     def _copy_and_verify(self, keys: Sequence[Any], views: Sequence[memoryview], offsets: Sequence[int],
                          sums: bytes) -> bool:
         """Copy each key's slot into its view; True when the copied bytes' checksums are ``sums`` (key order)."""
+        if _native_copy_and_checksum is not None:
+            prefixes = [block_prefix(key[0], key[1], key[2], view.nbytes) for key, view in zip(keys, views)]
+            return _native_copy_and_checksum(self.mapping.view, views, offsets, prefixes) == sums
         segment = np.frombuffer(self.mapping.view, dtype=np.uint8)  # sliced per block: no buffer export per block
         got = []
         for key, view, offset in zip(keys, views, offsets):

@@ -1,0 +1,23 @@
+/* The native checked copy's kernel (dkv/_checked_copy.c): shared by the builds of it for each instruction set. */
+#ifndef DKV_CHECKED_COPY_H
+#define DKV_CHECKED_COPY_H
+
+#include <stddef.h>
+
+typedef struct {
+    const char *src;    /* the block's slot in the mapped segment */
+    char *dest;         /* the caller's destination, as long as the block */
+    size_t len;
+    const char *prefix; /* the checksum's identity prefix (dkv.checksum.block_prefix) */
+    size_t prefix_len;
+} dkv_block;
+
+#define DKV_CHECKSUM_SIZE 16
+
+/* Copy each block's src into its dest and write XXH3-128(prefix || dest), canonical (big-endian), to
+ * out + 16 * i. Called without the GIL. One build per instruction set: the same output. */
+void dkv_copy_hash_generic(const dkv_block *blocks, size_t n, unsigned char *out);
+void dkv_copy_hash_avx2(const dkv_block *blocks, size_t n, unsigned char *out);
+int dkv_avx2_built(void); /* 1 when dkv_copy_hash_avx2 really is built for AVX2 */
+
+#endif

@@ -1,0 +1,136 @@
+"""The native checked copy (dkv._checked_copy): the same bytes and the same checksums as the Python copy.
+
+It is built at install (a C compiler and ``xxhash.h``: Debian's gcc and
+libxxhash-dev, which ``scripts/run.sh`` installs); this suite requires it, so
+a build that silently fell back to the Python copy fails here rather than
+passing with the fast path untested. The Python fallback is tested too.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from array import array
+
+import pytest
+
+import dkv.lease_slots as lease_slots
+from dkv.checksum import block_checksum, block_prefix
+from dkv.lease_slots import LeaseSlots
+
+
+
+def test_the_native_checked_copy_is_built() -> None:
+    assert lease_slots.NATIVE, ("dkv._checked_copy was not built: install gcc and libxxhash-dev, then "
+                                "`pip install -e .` again (scripts/run.sh does both)")
+
+
+def _copy_and_checksum():
+    from dkv._checked_copy import copy_and_checksum
+
+    return copy_and_checksum
+
+
+def _kernels() -> list[str]:
+    """The builds of the kernel this CPU runs: the generic one always, AVX2 where the CPU has it."""
+    import dkv._checked_copy as native
+
+    chosen, usable = native.KERNEL, []
+    for name in ("generic", "avx2"):
+        try:
+            native.use_kernel(name)
+        except ValueError:
+            continue
+        usable.append(name)
+    native.use_kernel(chosen)
+    return usable
+
+
+@pytest.fixture(params=["generic", "avx2"])
+def kernel(request: pytest.FixtureRequest):
+    """Each build in turn; the one chosen at import again afterwards. AVX2 is compared only where it runs."""
+    import dkv._checked_copy as native
+
+    if request.param not in _kernels():
+        pytest.skip("this CPU has no AVX2: its build cannot run here")
+    chosen = native.KERNEL
+    native.use_kernel(request.param)
+    yield request.param
+    native.use_kernel(chosen)
+
+
+def test_the_avx2_build_is_chosen_where_the_cpu_has_it() -> None:
+    import dkv._checked_copy as native
+
+    has_avx2 = "avx2" in open("/proc/cpuinfo").read().split()  # noqa: SIM115 - Linux, read once
+    assert native.KERNEL == ("avx2" if has_avx2 else "generic")
+    with pytest.raises(ValueError):
+        native.use_kernel("neon")
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 16 * 1024 + 1, 64 * 1024, (1 << 20) + 7])
+@pytest.mark.parametrize("hash_length", [8, 32])
+def test_each_copy_gets_the_slots_bytes_and_the_checksum_block_checksum_gives(size: int, hash_length: int,
+                                                                             kernel: str) -> None:
+    copy_and_checksum = _copy_and_checksum()
+    n = 5
+    segment = os.urandom(n * size + 4096)
+    offsets = [4096 + i * size for i in range(n)][::-1]  # in any order
+    keys = [("full" if i % 2 else "a-longer-leaf-name", i % 3, os.urandom(hash_length)) for i in range(n)]
+    dests = [bytearray(size) for _ in range(n)]
+    sums = copy_and_checksum(memoryview(segment), [memoryview(d) for d in dests], offsets,
+                             [block_prefix(leaf, shard, h, size) for leaf, shard, h in keys])
+    assert [bytes(d) for d in dests] == [segment[o:o + size] for o in offsets]
+    assert sums == b"".join(block_checksum(leaf, shard, h, d) for (leaf, shard, h), d in zip(keys, dests))
+
+
+def test_a_block_outside_the_segment_is_refused_before_anything_is_copied() -> None:
+    copy_and_checksum = _copy_and_checksum()
+    segment = memoryview(bytes(range(256)) * 64)  # 16 KiB, read-only (a read-only credential's mapping)
+    dests = [bytearray(4096), bytearray(4096)]
+    prefixes = [block_prefix("L", 0, b"\1" * 8, 4096)] * 2
+    for bad in (len(segment) - 4095, -1, 1 << 62):
+        with pytest.raises(ValueError, match="outside the segment"):
+            copy_and_checksum(segment, [memoryview(d) for d in dests], [0, bad], prefixes)
+        assert dests == [bytearray(4096)] * 2, "a refused copy wrote into a destination"
+
+
+def test_malformed_arguments_are_errors_not_crashes() -> None:
+    copy_and_checksum = _copy_and_checksum()
+    segment = memoryview(bytearray(8192))
+    prefix = block_prefix("L", 0, b"\1" * 8, 4096)
+    with pytest.raises(ValueError, match="one offset and one prefix"):
+        copy_and_checksum(segment, [bytearray(4096)], [0, 4096], [prefix])
+    with pytest.raises(TypeError):
+        copy_and_checksum(segment, [bytearray(4096)], [0], ["not bytes"])
+    with pytest.raises(TypeError):
+        copy_and_checksum(segment, [bytearray(4096)], [0.5], [prefix])
+    with pytest.raises((TypeError, BufferError)):
+        copy_and_checksum(segment, [bytes(4096)], [0], [prefix])  # a read-only destination
+    assert copy_and_checksum(segment, [], [], []) == b""
+
+
+@pytest.mark.parametrize("path", ["native", "python"])
+async def test_a_lease_copy_is_delivered_and_a_reused_slot_is_caught_on_either_path(path: str, monkeypatch) -> None:
+    if path == "python":
+        monkeypatch.setattr(lease_slots, "_native_copy_and_checksum", None)
+        monkeypatch.setattr(lease_slots, "NATIVE", False)
+    block, n = 64 * 1024, 80  # 5 MiB of 64 KiB blocks: off the loop, and split across threads on the native path
+    assert n * block >= lease_slots.PARALLEL_COPY_MIN
+    data = bytearray(os.urandom(n * block))
+    hashes = [os.urandom(32) for _ in range(n)]
+    sums = [block_checksum("L", 0, h, memoryview(data)[i * block:(i + 1) * block]) for i, h in enumerate(hashes)]
+
+    class Mapping:
+        view = memoryview(data)
+        size = len(data)
+
+    raw = {"L": [array("q", [i * block for i in range(n)]).tobytes(), array("q", [block] * n).tobytes(),
+                 b"".join(sums)]}
+    slots = LeaseSlots(Mapping(), hashes, 1, raw, live_until=time.monotonic() + 60)  # type: ignore[arg-type]
+    keys = [("L", 0, h) for h in hashes]
+    dests = [bytearray(block) for _ in range(n)]
+    assert await slots.copy(keys, [memoryview(d) for d in dests]) is True
+    assert b"".join(dests) == bytes(data)
+    data[(n - 1) * block + 3] ^= 0xFF  # the last slot reused meanwhile
+    assert await slots.copy(keys, [memoryview(d) for d in dests]) is False
