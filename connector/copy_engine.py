@@ -108,11 +108,6 @@ class CudaEventCompletion:
         self._keep_alive = []
 
 
-def host_buffer(row: torch.Tensor) -> Any:
-    """A zero-copy buffer-protocol view of a contiguous CPU row."""
-    return row.numpy()
-
-
 # (a leaf's shard tensor, its block ids): the rows of one transfer, tensor by tensor, in the keys' order
 RowGroups = Sequence[tuple[torch.Tensor, Sequence[int]]]
 # an offload's second step (the loop thread): queue the device copy; returns its completion and the host buffers
