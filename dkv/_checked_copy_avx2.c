@@ -1,4 +1,5 @@
-/* The kernel built for AVX2 (XXH3 hashes about twice as fast with it), chosen at import where the CPU has it.
+/* The kernel built for AVX2, chosen at import where the CPU has it (256 x 64 KiB copied and hashed on one
+ * thread: 1.29 ms against 1.59 ms for the generic build, measured in one run on the development machine).
  * GCC's target pragma defines __AVX2__ for what follows, so xxhash.h picks its AVX2 code; elsewhere (another
  * compiler, another architecture) this is the generic kernel under the AVX2 name and is never preferred. */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)

@@ -16,7 +16,7 @@ copied this way (the node announces offset ``-1``).
 
 Large copies run off the event loop, on worker threads, so the event loop
 and the engine's scheduler thread are not stalled by them. With the native
-checked copy (``dkv._checked_copy``, built at install where a C compiler and
+checked copy (:mod:`dkv.native`: built at install where a C compiler and
 ``xxhash.h`` are present; ``DKV_NATIVE_COPY=0`` turns it off) every block is
 copied and hashed without the GIL, a chunk at a time so the hash reads the
 copy while it is in cache, with XXH3's AVX2 code where the CPU has it.
@@ -33,22 +33,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import operator
-import os
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
 
+from dkv import native
 from dkv.arena import SegmentMapping
 from dkv.checksum import CHECKSUM_SIZE
 from dkv.checksum import block_checksum, block_prefix
 from dkv.errors import ProtocolError
 
-_native_copy_and_checksum: Any = None
-if os.environ.get("DKV_NATIVE_COPY", "1") != "0":  # DKV_NATIVE_COPY=0: the Python copy, to compare or to rule out
-    with contextlib.suppress(ImportError):  # built at install where a C compiler and xxhash.h are present
-        from dkv._checked_copy import copy_and_checksum as _native_copy_and_checksum
-NATIVE = _native_copy_and_checksum is not None
+_native_copy_and_checksum = native.copy_and_checksum
+NATIVE = native.NATIVE
 
 # Copies of at least this many bytes in all run on a worker thread (numpy's copy releases the GIL);
 # smaller ones cost less than the hop to the thread and back.

@@ -1,0 +1,29 @@
+"""The native checked copy (``dkv._checked_copy``), or ``None`` where it is not built or is turned off.
+
+Built at install where a C compiler and ``xxhash.h`` are present (Debian: gcc,
+libxxhash-dev; ``scripts/run.sh`` installs them). Without them, or with
+``DKV_NATIVE_COPY=0`` (to compare, or to rule it out), :mod:`dkv.lease_slots`
+copies in Python, with the same bytes and the same checksums.
+
+:data:`copy_and_checksum` is a same-host load's checked copy of a whole batch,
+without the GIL, with XXH3's AVX2 code where the CPU has it (:data:`KERNEL`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+copy_and_checksum: Callable[..., bytes] | None = None
+KERNEL: str | None = None
+
+if os.environ.get("DKV_NATIVE_COPY", "1") != "0":
+    try:
+        from dkv import _checked_copy
+    except ImportError:
+        pass
+    else:
+        copy_and_checksum = _checked_copy.copy_and_checksum
+        KERNEL = _checked_copy.KERNEL
+
+NATIVE = copy_and_checksum is not None
