@@ -20,8 +20,8 @@ checked copy (:mod:`dkv.native`: built at install where a C compiler and
 ``xxhash.h`` are present; ``DKV_NATIVE_COPY=0`` turns it off) every block is
 copied and hashed without the GIL, a chunk at a time so the hash reads the
 copy while it is in cache, with XXH3's AVX2 code where the CPU has it.
-Without it (:data:`NATIVE` false) the copy runs in Python, where a block of
-at least ``GIL_FREE_COPY_MIN`` bytes is copied and hashed without the GIL and
+Without it (:data:`dkv.native.NATIVE` false) the copy runs in Python, where
+a block of at least ``GIL_FREE_COPY_MIN`` bytes is copied and hashed without the GIL and
 a smaller one only copied without it. A copy of at least
 ``PARALLEL_COPY_MIN`` bytes of blocks hashed without the GIL is split by
 bytes across ``COPY_THREADS`` threads, each copying and checking its own
@@ -44,8 +44,7 @@ from dkv.checksum import CHECKSUM_SIZE
 from dkv.checksum import block_checksum, block_prefix
 from dkv.errors import ProtocolError
 
-_native_copy_and_checksum = native.copy_and_checksum
-NATIVE = native.NATIVE
+_native_copy_and_checksum = native.copy_and_checksum  # None: the Python copy below
 
 # Copies of at least this many bytes in all run on a worker thread (numpy's copy releases the GIL);
 # smaller ones cost less than the hop to the thread and back.
@@ -209,7 +208,8 @@ class LeaseSlots:
         if total < OFF_LOOP_COPY_MIN:
             return self._copy_and_verify(keys, views, offsets, sums)
         loop = asyncio.get_running_loop()
-        gil_free = total >= PARALLEL_COPY_MIN and (NATIVE or min(sizes) >= GIL_FREE_COPY_MIN)
+        gil_free = total >= PARALLEL_COPY_MIN and (
+            _native_copy_and_checksum is not None or min(sizes) >= GIL_FREE_COPY_MIN)
         parts = _split_by_bytes(len(sizes), sizes, COPY_THREADS if gil_free else 1)
         copies = [loop.run_in_executor(None, self._copy_and_verify, keys[part], views[part], offsets[part],
                                        sums[part.start * CHECKSUM_SIZE: part.stop * CHECKSUM_SIZE])

@@ -15,14 +15,16 @@ from array import array
 import pytest
 
 import dkv.lease_slots as lease_slots
+import dkv.native as dkv_native
 from dkv.checksum import block_checksum, block_prefix
 from dkv.lease_slots import LeaseSlots
 
 
 
 def test_the_native_checked_copy_is_built() -> None:
-    assert lease_slots.NATIVE, ("dkv._checked_copy was not built: install gcc and libxxhash-dev, then "
-                                "`pip install -e .` again (scripts/run.sh does both)")
+    assert dkv_native.NATIVE and lease_slots._native_copy_and_checksum is not None, (
+        "dkv._checked_copy was not built: install gcc and libxxhash-dev, then `pip install -e .` again "
+        "(scripts/run.sh does both)")
 
 
 def _copy_and_checksum():
@@ -114,7 +116,6 @@ def test_malformed_arguments_are_errors_not_crashes() -> None:
 async def test_a_lease_copy_is_delivered_and_a_reused_slot_is_caught_on_either_path(path: str, monkeypatch) -> None:
     if path == "python":
         monkeypatch.setattr(lease_slots, "_native_copy_and_checksum", None)
-        monkeypatch.setattr(lease_slots, "NATIVE", False)
     block, n = 64 * 1024, 80  # 5 MiB of 64 KiB blocks: off the loop, and split across threads on the native path
     assert n * block >= lease_slots.PARALLEL_COPY_MIN
     data = bytearray(os.urandom(n * block))
