@@ -776,7 +776,7 @@ class NodeClient:
                             if hashed >= PROGRESS_EVERY_BYTES:
                                 progress_now()  # the node's next messages keep coming meanwhile
                                 hashed = 0
-                await session.conn.recv_payloads(views, self.timeout, landed)
+                await session.conn.recv_payloads(views, self.timeout, landed, reply.get("groups"))
             return reply.get("sums")
 
         sums = await self._call(run, idempotent=False)

@@ -312,14 +312,18 @@ class StreamConnection:
         message: dict[str, Any] = await self._receive(want, timeout)
         return message
 
-    async def send_payloads(self, buffers: Sequence[Any], timeout: float = DEFAULT_TIMEOUT) -> None:
-        """Send each buffer's bytes, in order (the stream needs no per-buffer framing)."""
+    async def send_payloads(self, buffers: Sequence[Any], timeout: float = DEFAULT_TIMEOUT,
+                            plan: Sequence[tuple[int, int]] | None = None) -> None:
+        """Send each buffer's bytes, in order (the stream needs no per-buffer framing, so ``plan`` is moot)."""
         for buffer in buffers:
             await self._send(buffer, timeout, "payload send")
 
     async def recv_payloads(self, buffers: Sequence[Any], timeout: float = DEFAULT_TIMEOUT,
-                            landed: Callable[[int, int], None] | None = None) -> None:
-        """Fill each buffer, in order; then ``landed(0, len(buffers))`` (as :meth:`dkv.transport.Connection.recv_payloads`)."""
+                            landed: Callable[[int, int], None] | None = None, groups: Any = None) -> None:
+        """Fill each buffer, in order; then ``landed(0, len(buffers))`` (as :meth:`dkv.transport.Connection.recv_payloads`).
+
+        A stream carries no message boundaries, so announced ``groups`` are moot here.
+        """
         views = [view for view in (memoryview(b).cast("B") for b in buffers) if view.nbytes]
         if views:
             await self._receive(_Receive(self._loop.create_future(), self.max_frame, views), timeout)

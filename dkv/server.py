@@ -50,7 +50,7 @@ from dkv.store import (
     StoreKey,
     Use,
 )
-from dkv.transport import Connection, Listener, active_progress_mode, stop_progress
+from dkv.transport import Connection, Listener, active_progress_mode, payload_plan, plan_groups, stop_progress
 from dkv.units import is_loopback
 from dkv.wire import (
     MAX_FRAME,
@@ -782,9 +782,11 @@ class NodeServer:
             self.traffic["out"]["local"] += sum(sizes)
             return  # the client copies from the shared arena, then sends done
         try:
-            await self._reply(peer, sizes=sizes, sums=sums)
-            await peer.conn.send_payloads([self.arena.slot(peer.namespace, p.offset, p.size) for p in slots if p.size],
-                                          self.config.op_timeout)
+            held = [p for p in slots if p.size]
+            plan = payload_plan([p.size for p in held], [p.offset for p in held])  # back-to-back slots: one message
+            await self._reply(peer, sizes=sizes, sums=sums, groups=plan_groups(plan))
+            await peer.conn.send_payloads([self.arena.slot(peer.namespace, p.offset, p.size) for p in held],
+                                          self.config.op_timeout, plan)
             self.traffic["out"]["listener"] += sum(sizes)
         finally:
             self.store.end_read(read.read_id)

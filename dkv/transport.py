@@ -7,7 +7,7 @@ timeout or a transport error the endpoint is aborted *before* the error is
 raised, so no late UCX receive can land in a buffer the caller has already
 reused or freed.
 
-Framing (protocol 3): a control message is one UCX message, header and
+Framing (protocol 3 and on): a control message is one UCX message, header and
 msgpack body together, when the body is at most :data:`INLINE_MAX` bytes
 (flag ``FLAG_INLINE``); the receiver posts one fixed-size receive
 (``HEADER_SIZE + INLINE_MAX``, freshly zeroed, so a short message reads as
@@ -16,13 +16,18 @@ body follows the header as a second message, received into a buffer
 allocated only once the header has passed :func:`dkv.wire.decode_header`.
 
 Payloads: :meth:`Connection.send_payloads` and :meth:`Connection.recv_payloads`
-are called by the two sides with the same buffer sizes, so both derive the
-same sequence of UCX messages from the sizes alone (:func:`payload_plan`):
-runs of small buffers share one message of up to :data:`GROUP_BYTES`, a
-buffer of :data:`DIRECT_MIN` bytes or more (or under 8) goes alone. A group
-is sent straight from its buffers when they lie back to back in memory (arena
-slots usually do), else gathered into a staging buffer; it is received the
-same way, into the buffers or into staging and then scattered.
+are called by the two sides with the same buffer sizes, and both cut the
+same sequence of UCX messages (:func:`payload_plan`). By default the cut is
+derived from the sizes alone: runs of small buffers share one message of up
+to :data:`GROUP_BYTES`, a buffer of :data:`DIRECT_MIN` bytes or more (or
+under 8) goes alone. A sender that knows where its buffers lie (a node: its
+slots' offsets) may also join back-to-back buffers under ``GROUP_BYTES``
+into one message; it then announces the cut (``groups``: each message's
+buffer count, see :func:`plan_groups`) before the payloads, and the
+receiver takes it only after :func:`plan_from_groups` has checked it. A
+group is sent straight from its buffers when they lie back to back in
+memory (arena slots usually do), else gathered into a staging buffer; it is
+received the same way, into the buffers or into staging and then scattered.
 
 Progress mode: see :func:`init_transport`. UCX progress and request
 completion are bound to the loop that initialises UCX, so a process drives
@@ -599,20 +604,30 @@ class Connection:
             await self._bounded(self._post(body, send=False), timeout, "receive")
         return decode_body(body)
 
-    async def send_payloads(self, buffers: Sequence[Any], timeout: float = DEFAULT_TIMEOUT) -> None:
-        """Send the non-empty buffers as the messages :func:`payload_plan` gives their sizes.
+    async def send_payloads(self, buffers: Sequence[Any], timeout: float = DEFAULT_TIMEOUT,
+                            plan: Sequence[tuple[int, int]] | None = None) -> None:
+        """Send the non-empty buffers as the messages of ``plan``, by default :func:`payload_plan` of their sizes.
 
-        The peer calls :meth:`recv_payloads` with buffers of the same sizes.
-        Buffers must be C-contiguous host memory.
+        The peer calls :meth:`recv_payloads` with buffers of the same sizes
+        (and, for a ``plan`` of the sender's choosing, the groups it was told:
+        :func:`plan_groups`). ``plan`` indexes the non-empty buffers. Buffers
+        must be C-contiguous host memory.
         """
         items = [b for b in buffers if _nbytes(b)]
         sending, self._sending = self._sending, None
         if items or sending is not None:
-            await self._bounded(self._after_sent(sending, self._send_groups(items)), timeout, "payload send")
+            cut = payload_plan([_nbytes(b) for b in items]) if plan is None else list(plan)
+            await self._bounded(self._after_sent(sending, self._send_groups(items, cut)), timeout, "payload send")
 
     async def recv_payloads(self, buffers: Sequence[Any], timeout: float = DEFAULT_TIMEOUT,
-                            landed: Landed | None = None) -> None:
+                            landed: Landed | None = None, groups: Any = None) -> None:
         """Receive into the non-empty buffers, in order, the messages :func:`payload_plan` gives their sizes.
+
+        ``groups``, where the sender announced its own cut (each message's
+        count of non-empty buffers), replaces that plan once
+        :func:`plan_from_groups` accepts it: a cut it refuses raises
+        :class:`ProtocolError` before any receive is posted (the endpoint is
+        aborted: the sender's messages would have no receive to meet).
 
         On a failure or timeout the endpoint is aborted before the error is
         raised: nothing lands in a buffer later. A group's message shorter
@@ -624,21 +639,27 @@ class Connection:
         """
         nonempty = [i for i, b in enumerate(buffers) if _nbytes(b)]
         items = [buffers[i] for i in nonempty]
+        sizes = [_nbytes(b) for b in items]
+        try:
+            plan = payload_plan(sizes) if groups is None else plan_from_groups(groups, sizes)
+        except ProtocolError:
+            self.abort()
+            raise
         sending, self._sending = self._sending, None
         if items or sending is not None:
             on_group = None
             if landed is not None:
                 def on_group(start: int, end: int) -> None:
                     landed(nonempty[start], nonempty[end - 1] + 1)
-            await self._bounded(self._after_sent(sending, self._recv_groups(items, on_group)), timeout,
+            await self._bounded(self._after_sent(sending, self._recv_groups(items, plan, on_group)), timeout,
                                 "payload receive")
 
-    async def _send_groups(self, items: list[Any]) -> None:
+    async def _send_groups(self, items: list[Any], plan: list[tuple[int, int]]) -> None:
         sizes = [_nbytes(b) for b in items]
         inflight: collections.deque[tuple[asyncio.Future[Any], bytearray | None]] = collections.deque()
         staged = 0
         try:
-            for start, end in payload_plan(sizes):
+            for start, end in plan:
                 stage = None
                 if end - start == 1:
                     source: Any = items[start]
@@ -672,13 +693,13 @@ class Connection:
             self.abort()  # before anything else: no request of this call runs on, staging is dropped
             raise
 
-    async def _recv_groups(self, items: list[Any], landed: Landed | None = None) -> None:
+    async def _recv_groups(self, items: list[Any], plan: list[tuple[int, int]], landed: Landed | None = None) -> None:
         sizes = [_nbytes(b) for b in items]
         canary = os.urandom(_CANARY)
         inflight: collections.deque[tuple[Any, ...]] = collections.deque()
         staged = 0
         try:
-            for start, end in payload_plan(sizes):
+            for start, end in plan:
                 if end - start == 1:  # alone: straight into its buffer, with a canary if it has room for one
                     target = _canary_view(items[start]) if sizes[start] >= _CANARY else None
                     if target is not None:
@@ -824,30 +845,70 @@ def _nbytes(buffer: Any) -> int:
     return memoryview(buffer).nbytes if not hasattr(buffer, "nbytes") else int(buffer.nbytes)
 
 
-def payload_plan(sizes: Sequence[int]) -> list[tuple[int, int]]:
+def payload_plan(sizes: Sequence[int], offsets: Sequence[int] | None = None) -> list[tuple[int, int]]:
     """The UCX messages that carry buffers of ``sizes`` (none empty): ``(start, end)`` index ranges.
 
-    Deterministic from the sizes alone, so sender and receiver agree: a buffer
-    of :data:`DIRECT_MIN` bytes or more, or of fewer than 8, is a message of
-    its own; consecutive others are grouped, up to :data:`GROUP_BYTES` a group.
+    From the sizes alone (``offsets`` None) the plan is deterministic, so a
+    receiver derives it too: a buffer of :data:`DIRECT_MIN` bytes or more, or
+    of fewer than 8, is a message of its own; consecutive others are grouped,
+    up to :data:`GROUP_BYTES` a group. ``offsets``, where each buffer starts
+    in one address space of the sender (a node's slot offsets in one
+    mapping), also joins consecutive buffers of ``DIRECT_MIN`` up to
+    ``GROUP_BYTES`` that lie back to back there, up to ``GROUP_BYTES`` a
+    message, so they travel without a copy in fewer messages (UCX's cost per
+    message dominates below 1 MiB: scripts/probe_transport_pingpong.py). Such
+    a plan depends on the sender's memory, so the sender announces it
+    (:func:`plan_groups`).
     """
     plan: list[tuple[int, int]] = []
-    start, total = -1, 0
+    start, total, joined = -1, 0, False  # the open group; joined: it is of back-to-back large buffers
     for i, n in enumerate(sizes):
-        if n >= DIRECT_MIN or n < _CANARY:
-            if start >= 0:
-                plan.append((start, i))
-                start = -1
-            plan.append((i, i + 1))
+        large = n >= DIRECT_MIN
+        if (start >= 0 and joined and large and n < GROUP_BYTES and total + n <= GROUP_BYTES
+                and offsets is not None and offsets[i - 1] + sizes[i - 1] == offsets[i]):
+            total += n
             continue
-        if start >= 0 and total + n > GROUP_BYTES:
+        if start >= 0 and (large or n < _CANARY or joined or total + n > GROUP_BYTES):
             plan.append((start, i))
             start = -1
+        if n < _CANARY or (large and (offsets is None or n >= GROUP_BYTES)):
+            plan.append((i, i + 1))
+            continue
         if start < 0:
-            start, total = i, 0
+            start, total, joined = i, 0, large
         total += n
     if start >= 0:
         plan.append((start, len(sizes)))
+    return plan
+
+
+def plan_groups(plan: Sequence[tuple[int, int]]) -> list[int]:
+    """A plan as the sender announces it: each message's count of buffers, in order."""
+    return [end - start for start, end in plan]
+
+
+def plan_from_groups(groups: Any, sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """The plan a sender announced as ``groups`` (:func:`plan_groups`), checked against the receiver's ``sizes``.
+
+    :class:`ProtocolError` unless ``groups`` is a list of positive integers
+    that covers every buffer once, in order, and no message of several
+    buffers exceeds :data:`GROUP_BYTES` or holds a buffer under 8 bytes (each
+    buffer of a group carries a canary: see :meth:`Connection._recv_group`).
+    """
+    if not isinstance(groups, (list, tuple)) or len(groups) > len(sizes):
+        raise ProtocolError("payload groups: not a list of at most one group per block")
+    plan: list[tuple[int, int]] = []
+    start = 0
+    for count in groups:
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1 or start + count > len(sizes):
+            raise ProtocolError("payload groups: a count that is not a positive integer within the blocks")
+        end = start + count
+        if count > 1 and (sum(sizes[start:end]) > GROUP_BYTES or min(sizes[start:end]) < _CANARY):
+            raise ProtocolError(f"payload groups: a message of {count} blocks beyond the group bound")
+        plan.append((start, end))
+        start = end
+    if start != len(sizes):
+        raise ProtocolError("payload groups do not cover every block")
     return plan
 
 

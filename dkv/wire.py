@@ -17,9 +17,9 @@ they lie back to back.
 
 Handshake (mutual: each side proves the credential over the other's nonce)::
 
-    node   → client   {"t": "challenge", "v": 3, "nonce": <16 bytes>, "node": id,
+    node   → client   {"t": "challenge", "v": 4, "nonce": <16 bytes>, "node": id,
                        "local": path of a tokenless node's credential file | None}
-    client → node     {"op": "hello", "v": 3, "ns": namespace, "client": id,
+    client → node     {"op": "hello", "v": 4, "ns": namespace, "client": id,
                        "tenant": tenant name | None (None: the cluster credential),
                        "cnonce": <16 bytes>, "proof": client_proof(...) | None, "host": host id}
     node   → client   {"ok": true, "node": id, "epoch": str, "host": host id,
@@ -99,7 +99,8 @@ from dkv.checksum import CHECKSUM_SIZE
 from dkv.errors import FrameTooLarge, ProtocolError
 from dkv.keys import HASH_LENGTHS, MAX_LEAF_ID_LENGTH, MAX_TP_SHARDS, check_namespace
 
-PROTOCOL_VERSION = 3  # 3: bodies inline with their header (FLAG_INLINE), batched payload messages
+PROTOCOL_VERSION = 4  # 3: bodies inline with their header (FLAG_INLINE), batched payload messages;
+# 4: a listener read's payload messages as the node announces them ("groups")
 MAGIC = b"dKV\x01"
 HEADER = struct.Struct("<4sHHII")  # magic, protocol version, flags, body length, reserved
 HEADER_SIZE = HEADER.size

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 import pytest
@@ -72,3 +73,29 @@ async def test_destination_of_the_wrong_size_is_refused(node, clients) -> None:
     found = await client.lookup([key.hash], ["L"])
     with pytest.raises(ValueError, match="bytes for a block of 64"):
         await client.read(found.lease_id, [key], [bytearray(10)])
+
+
+async def test_a_listener_read_of_back_to_back_slots_arrives_in_the_fewer_messages_the_node_announced(
+        node_factory, clients, monkeypatch) -> None:
+    from dkv import transport
+
+    node = node_factory("--pool", "64MiB")
+    block = transport.GROUP_BYTES // 4  # large enough to travel alone, unless its neighbours lie back to back
+    client = clients(node.address, local=False)
+    announced: list[Any] = []
+    receive = transport.Connection.recv_payloads
+
+    async def recording(self: Any, buffers: Any, timeout: float = 30, landed: Any = None, groups: Any = None) -> None:
+        announced.append(groups)
+        await receive(self, buffers, timeout, landed, groups)
+
+    monkeypatch.setattr(transport.Connection, "recv_payloads", recording)
+    hashes = [os.urandom(32) for _ in range(10)]
+    keys = [BlockKey("L", 0, h) for h in hashes]
+    blocks = [os.urandom(block) for _ in keys]
+    assert (await client.write(keys, blocks)).stored == len(keys)  # one write into a fresh pool: adjacent slots
+    found = await client.lookup(hashes, ["L"])
+    dests = [bytearray(block) for _ in keys]
+    await client.read(found.lease_id, keys, dests)
+    assert [bytes(d) for d in dests] == blocks
+    assert announced == [[4, 4, 2]], "four back-to-back quarter-MiB slots a message, as the node said"

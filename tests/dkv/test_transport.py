@@ -97,6 +97,94 @@ def test_payload_plan_groups_small_buffers_and_sends_large_or_tiny_ones_alone() 
     assert all(b - a == 1 or sum(sizes[a:b]) <= group for a, b in plan)
 
 
+def test_a_plan_with_offsets_joins_back_to_back_large_buffers_under_the_group_bound_only() -> None:
+    group, direct = transport.GROUP_BYTES, transport.DIRECT_MIN
+    quarter = group // 4
+    assert quarter >= direct
+    back_to_back = [i * quarter for i in range(9)]
+    assert transport.payload_plan([quarter] * 9, back_to_back) == [(0, 4), (4, 8), (8, 9)]
+    assert transport.payload_plan([quarter] * 9) == [(i, i + 1) for i in range(9)], "sizes alone: each alone"
+    gaps = [i * 2 * quarter for i in range(4)]
+    assert transport.payload_plan([quarter] * 4, gaps) == [(0, 1), (1, 2), (2, 3), (3, 4)], "not back to back"
+    # a group of 1 MiB blocks stays one block a message; small ones group as from the sizes alone
+    assert transport.payload_plan([group, group], [0, group]) == [(0, 1), (1, 2)]
+    sizes = [64 * KIB] * 3 + [quarter] * 2 + [3] + [quarter] * 2
+    offsets = [0, 64 * KIB, 128 * KIB, 192 * KIB, 192 * KIB + quarter, 192 * KIB + 2 * quarter,
+               192 * KIB + 2 * quarter + 3, 192 * KIB + 3 * quarter + 3]
+    assert transport.payload_plan(sizes, offsets) == [(0, 3), (3, 5), (5, 6), (6, 8)]
+    assert transport.payload_plan(sizes, offsets)[0] == transport.payload_plan(sizes)[0]
+
+
+def test_an_announced_plan_is_taken_only_when_it_covers_every_buffer_within_the_group_bound() -> None:
+    quarter = transport.GROUP_BYTES // 4
+    sizes = [quarter] * 9
+    plan = transport.payload_plan(sizes, [i * quarter for i in range(9)])
+    assert transport.plan_groups(plan) == [4, 4, 1]
+    assert transport.plan_from_groups([4, 4, 1], sizes) == plan
+    assert transport.plan_from_groups((1,) * 9, sizes) == [(i, i + 1) for i in range(9)]
+    assert transport.plan_from_groups([], []) == []
+    for bad in ([5, 4], [4, 4], [4, 4, 2], [0, 4, 4, 1], [-1, 10], [True] * 9, [4.0, 4, 1], "441", None,
+                {"a": 1}, [9 * [1]], [1] * 10):
+        with pytest.raises(ProtocolError):
+            transport.plan_from_groups(bad, sizes)
+    with pytest.raises(ProtocolError, match="group bound"):  # a tiny buffer has no room for its canary
+        transport.plan_from_groups([2], [64 * KIB, 3])
+
+
+@pytest.mark.parametrize("dst_adjacent", [False, True], ids=["scattered", "spanned-dest"])
+async def test_payloads_cut_as_the_sender_announced_arrive_bit_exact_and_reported_in_order(dst_adjacent: bool) -> None:
+    async def check(client: transport.Connection, server: transport.Connection) -> None:
+        quarter = transport.GROUP_BYTES // 4
+        sizes = [quarter] * 6 + [64 * KIB] * 3 + [quarter] * 3 + [5] + [3 * quarter]
+        whole = bytearray(os.urandom(sum(sizes) + quarter))
+        view, sources, offsets, at = memoryview(whole), [], [], 0
+        for i, n in enumerate(sizes):
+            at += quarter if i == 3 else 0  # a gap in the sender's memory: the run of quarters is cut there
+            sources.append(view[at:at + n])
+            offsets.append(at)
+            at += n
+        plan = transport.payload_plan(sizes, offsets)
+        assert plan[:3] == [(0, 3), (3, 6), (6, 9)] and len(plan) < len(sizes) - 3
+        dests = _dests(sizes, dst_adjacent)
+        runs: list[tuple[int, int]] = []
+        await asyncio.gather(server.send_payloads(sources, 10, plan),
+                             client.recv_payloads(dests, 10, lambda a, b: runs.append((a, b)),
+                                                  transport.plan_groups(plan)))
+        assert [bytes(d) for d in dests] == [bytes(s) for s in sources]
+        assert runs == plan, "each announced message is reported once it is whole, in order"
+        await client.send_message({"after": True})  # the stream is still in step
+        assert await server.recv_message() == {"after": True}
+
+    await _run(check)
+
+
+async def test_a_sender_that_cuts_other_messages_than_it_announced_is_refused_and_hands_on_nothing() -> None:
+    async def check(client: transport.Connection, server: transport.Connection) -> None:
+        quarter = transport.GROUP_BYTES // 4
+        blocks = [os.urandom(quarter) for _ in range(4)]
+        dests = [bytearray(quarter) for _ in blocks]
+        receive = asyncio.ensure_future(client.recv_payloads(dests, 10, groups=[4]))  # told: one message
+        with contextlib.suppress(DKVError):  # the receiver may have aborted already: then a send fails
+            await server.send_payloads(blocks, 10)  # sent: one message a block
+        with pytest.raises(DKVError, match="shorter than its group"):
+            await receive
+        assert client.closed
+        assert all(not any(d) for d in dests), "no byte of a short group may reach a caller's buffer"
+
+    await _run(check)
+
+
+async def test_a_malformed_announced_plan_aborts_before_any_receive_is_posted() -> None:
+    async def check(client: transport.Connection, server: transport.Connection) -> None:
+        dests = [bytearray(64 * KIB) for _ in range(4)]
+        with pytest.raises(ProtocolError, match="payload groups"):
+            await client.recv_payloads(dests, 10, groups=[2, 3])
+        assert client.closed
+        assert all(not any(d) for d in dests)
+
+    await _run(check)
+
+
 @pytest.mark.parametrize("body_size", [0, 100, transport.INLINE_MAX - 64, transport.INLINE_MAX + 1, 3 * 2**20])
 async def test_messages_inline_or_split_arrive_whole(body_size: int) -> None:
     async def check(client: transport.Connection, server: transport.Connection) -> None:

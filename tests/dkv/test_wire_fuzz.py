@@ -309,6 +309,46 @@ def test_the_payload_plan_covers_every_buffer_once_in_order_within_the_group_bou
             assert (i, i + 1) in plan
 
 
+@settings(max_examples=examples(100))
+@given(blocks=st.lists(st.tuples(st.sampled_from([1, 8, 64 * 1024, transport.DIRECT_MIN - 1, transport.DIRECT_MIN,
+                                                  transport.GROUP_BYTES // 4, transport.GROUP_BYTES - 8,
+                                                  transport.GROUP_BYTES, 2**21]) | st.integers(1, 2**21),
+                                 st.integers(0, 2) | st.just(0)),  # the gap before each buffer (mostly none)
+                       max_size=64))
+def test_a_plan_over_the_senders_offsets_joins_only_back_to_back_buffers_and_survives_its_announcement(
+        blocks: list[tuple[int, int]]) -> None:
+    sizes = [n for n, _ in blocks]
+    offsets, at = [], 0
+    for n, gap in blocks:
+        at += gap * 4096
+        offsets.append(at)
+        at += n
+    plan = transport.payload_plan(sizes, offsets)
+    assert [i for a, b in plan for i in range(a, b)] == list(range(len(sizes)))
+    for a, b in plan:
+        if b - a > 1:
+            assert sum(sizes[a:b]) <= transport.GROUP_BYTES and min(sizes[a:b]) >= 8
+            if max(sizes[a:b]) >= transport.DIRECT_MIN:  # joined large buffers: all large, back to back
+                assert min(sizes[a:b]) >= transport.DIRECT_MIN
+                assert all(offsets[i] + sizes[i] == offsets[i + 1] for i in range(a, b - 1))
+    assert transport.plan_from_groups(transport.plan_groups(plan), sizes) == plan
+    assert len(plan) <= len(transport.payload_plan(sizes)), "joining never makes more messages"
+
+
+@settings(max_examples=examples(200))
+@given(sizes=st.lists(st.sampled_from([1, 8, 64 * 1024, transport.GROUP_BYTES // 2, transport.GROUP_BYTES]),
+                      max_size=16),
+       groups=st.none() | st.integers() | st.text(max_size=4)
+       | st.lists(st.integers(-2, 20) | st.booleans() | st.floats() | st.none(), max_size=20))
+def test_an_announced_plan_is_either_refused_or_a_valid_cut(sizes: list[int], groups: Any) -> None:
+    try:
+        plan = transport.plan_from_groups(groups, sizes)
+    except ProtocolError:
+        return
+    assert [i for a, b in plan for i in range(a, b)] == list(range(len(sizes)))
+    assert all(b - a == 1 or (sum(sizes[a:b]) <= transport.GROUP_BYTES and min(sizes[a:b]) >= 8) for a, b in plan)
+
+
 # ---- UCX framing over a scripted endpoint ---------------------------------------------------
 
 
