@@ -906,7 +906,7 @@ class NodeClient:
                     raise
                 done = await session.request({"op": "commit", "write": reply["write"]}, self.timeout)
             else:
-                await session.conn.send_payloads([v for v in accepted if v.nbytes], self.timeout)
+                await session.conn.send_payloads([v for v in accepted if v.nbytes], self.timeout, reply.get("groups"))
                 done = _check_reply(await session.conn.recv_message(self.timeout))
             rejected = done.get("rejected", 0)
             return WriteResult(statuses), rejected if isinstance(rejected, int) and not isinstance(rejected, bool) else 0

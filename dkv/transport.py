@@ -22,9 +22,9 @@ derived from the sizes alone: runs of small buffers share one message of up
 to :data:`GROUP_BYTES`, a buffer of :data:`DIRECT_MIN` bytes or more (or
 under 8) goes alone. A sender that knows where its buffers lie (a node: its
 slots' offsets) may also join back-to-back buffers under ``GROUP_BYTES``
-into one message; it then announces the cut (``groups``: each message's
-buffer count, see :func:`plan_groups`) before the payloads, and the
-receiver takes it only after :func:`plan_from_groups` has checked it. A
+into one message; it then tells the other side the cut (``groups``: each
+message's buffer count, see :func:`plan_groups`) before the payloads, and
+each side takes it only after :func:`plan_from_groups` has checked it. A
 group is sent straight from its buffers when they lie back to back in
 memory (arena slots usually do), else gathered into a staging buffer; it is
 received the same way, into the buffers or into staging and then scattered.
@@ -605,26 +605,36 @@ class Connection:
         return decode_body(body)
 
     async def send_payloads(self, buffers: Sequence[Any], timeout: float = DEFAULT_TIMEOUT,
-                            plan: Sequence[tuple[int, int]] | None = None) -> None:
-        """Send the non-empty buffers as the messages of ``plan``, by default :func:`payload_plan` of their sizes.
+                            groups: Any = None) -> None:
+        """Send the non-empty buffers as the messages :func:`payload_plan` gives their sizes, or as ``groups`` say.
 
         The peer calls :meth:`recv_payloads` with buffers of the same sizes
-        (and, for a ``plan`` of the sender's choosing, the groups it was told:
-        :func:`plan_groups`). ``plan`` indexes the non-empty buffers. Buffers
-        must be C-contiguous host memory.
+        and the same ``groups`` (each message's count of non-empty buffers:
+        :func:`plan_groups`), which one side chose and told the other. A cut
+        :func:`plan_from_groups` refuses raises :class:`ProtocolError` before
+        anything is sent (the endpoint is aborted: the peer's receives would
+        have no messages to meet). Buffers must be C-contiguous host memory.
         """
         items = [b for b in buffers if _nbytes(b)]
+        plan = self._plan(items, groups)
         sending, self._sending = self._sending, None
         if items or sending is not None:
-            cut = payload_plan([_nbytes(b) for b in items]) if plan is None else list(plan)
-            await self._bounded(self._after_sent(sending, self._send_groups(items, cut)), timeout, "payload send")
+            await self._bounded(self._after_sent(sending, self._send_groups(items, plan)), timeout, "payload send")
+
+    def _plan(self, items: list[Any], groups: Any) -> list[tuple[int, int]]:
+        sizes = [_nbytes(b) for b in items]
+        try:
+            return payload_plan(sizes) if groups is None else plan_from_groups(groups, sizes)
+        except ProtocolError:
+            self.abort()
+            raise
 
     async def recv_payloads(self, buffers: Sequence[Any], timeout: float = DEFAULT_TIMEOUT,
                             landed: Landed | None = None, groups: Any = None) -> None:
         """Receive into the non-empty buffers, in order, the messages :func:`payload_plan` gives their sizes.
 
-        ``groups``, where the sender announced its own cut (each message's
-        count of non-empty buffers), replaces that plan once
+        ``groups``, where one side chose the cut and told the other (as for
+        :meth:`send_payloads`), replaces that plan once
         :func:`plan_from_groups` accepts it: a cut it refuses raises
         :class:`ProtocolError` before any receive is posted (the endpoint is
         aborted: the sender's messages would have no receive to meet).
@@ -639,12 +649,7 @@ class Connection:
         """
         nonempty = [i for i, b in enumerate(buffers) if _nbytes(b)]
         items = [buffers[i] for i in nonempty]
-        sizes = [_nbytes(b) for b in items]
-        try:
-            plan = payload_plan(sizes) if groups is None else plan_from_groups(groups, sizes)
-        except ProtocolError:
-            self.abort()
-            raise
+        plan = self._plan(items, groups)
         sending, self._sending = self._sending, None
         if items or sending is not None:
             on_group = None
@@ -852,12 +857,12 @@ def payload_plan(sizes: Sequence[int], offsets: Sequence[int] | None = None) -> 
     receiver derives it too: a buffer of :data:`DIRECT_MIN` bytes or more, or
     of fewer than 8, is a message of its own; consecutive others are grouped,
     up to :data:`GROUP_BYTES` a group. ``offsets``, where each buffer starts
-    in one address space of the sender (a node's slot offsets in one
+    in one address space of one side (a node's slot offsets in one
     mapping), also joins consecutive buffers of ``DIRECT_MIN`` up to
     ``GROUP_BYTES`` that lie back to back there, up to ``GROUP_BYTES`` a
     message, so they travel without a copy in fewer messages (UCX's cost per
     message dominates below 1 MiB: scripts/probe_transport_pingpong.py). Such
-    a plan depends on the sender's memory, so the sender announces it
+    a plan depends on one side's memory, so that side tells the other
     (:func:`plan_groups`).
     """
     plan: list[tuple[int, int]] = []

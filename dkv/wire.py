@@ -10,10 +10,15 @@ before any larger buffer is allocated; the body is decoded with msgpack's own
 length limits, then checked field by field against the op's schema. Block
 bytes never pass through msgpack: after a ``read`` reply the node sends the
 blocks, and after a ``write`` reply the client sends the accepted blocks, as
-a sequence of UCX messages both sides derive from the block sizes alone
-(:func:`dkv.transport.payload_plan`: small blocks batched into one message,
-large ones each in their own), straight from and into arena slots where
-they lie back to back.
+a sequence of UCX messages (:func:`dkv.transport.payload_plan`: small blocks
+batched into one message, large ones each in their own), straight from and
+into arena slots where they lie back to back. The node cuts them, by their
+sizes and by where its slots lie: it also joins blocks under 1 MiB whose
+slots lie back to back (protocol 4). A listener ``read`` or ``write`` reply
+carries that cut as ``"groups"``, each message's count of (non-empty)
+blocks, and the client checks it (:func:`dkv.transport.plan_from_groups`)
+before it posts a receive or sends a byte; a reply without it means the cut
+from the sizes alone.
 
 Handshake (mutual: each side proves the credential over the other's nonce)::
 
@@ -100,7 +105,7 @@ from dkv.errors import FrameTooLarge, ProtocolError
 from dkv.keys import HASH_LENGTHS, MAX_LEAF_ID_LENGTH, MAX_TP_SHARDS, check_namespace
 
 PROTOCOL_VERSION = 4  # 3: bodies inline with their header (FLAG_INLINE), batched payload messages;
-# 4: a listener read's payload messages as the node announces them ("groups")
+# 4: a listener read's or write's payload messages as the node cut them ("groups")
 MAGIC = b"dKV\x01"
 HEADER = struct.Struct("<4sHHII")  # magic, protocol version, flags, body length, reserved
 HEADER_SIZE = HEADER.size

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Probe: where a same-host connector load's time goes, against memcpy and copy+checksum in the same run.
+"""Probe: where a connector load's time goes, against memcpy and copy+checksum in the same run.
 
 Against one real node (started here, stopped by its PID at the end), a
 connector co-located with it loads ``--blocks`` blocks of ``--block-size``
@@ -18,12 +18,14 @@ process only) split it on the loop thread: the node round trip of the lookup
 (``NodeClient.lookup``), the read (``NodeClient.read``), its plan
 (``LeaseSlots._plan``) and the copy on the worker thread
 (``LeaseSlots._copy_and_verify``). Whatever the table does not name is
-wake-ups, hops and the connector's bookkeeping.
+wake-ups, hops and the connector's bookkeeping. ``--listener`` loads over the
+node's UCX listener instead (``local=False``), and also times the payload
+receive (``Connection.recv_payloads``), the checks of landed blocks included.
 
 ``memcpy / copy+checksum`` is the highest ``load / memcpy`` ratio a checked
 load could reach if everything but its copy cost nothing.
 
-Usage: probe_load_phases.py [--blocks 256] [--block-size 64KiB] [--rounds 30]
+Usage: probe_load_phases.py [--blocks 256] [--block-size 64KiB] [--rounds 30] [--listener]
 """
 from __future__ import annotations
 
@@ -86,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=256)
     parser.add_argument("--block-size", default="64KiB")
     parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--listener", action="store_true", help="load over the UCX listener (local=False)")
     args = parser.parse_args(argv)
 
     import numpy as np
@@ -99,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     from dkv.checksum import block_checksum
     from dkv.client import NodeClient
     from dkv.lease_slots import LeaseSlots
+    from dkv.transport import Connection
     from dkv.units import format_size, parse_size
 
     def wait_done(item: Any, what: str) -> None:
@@ -118,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = torch.randint(0, 256, (count + 1, size), dtype=torch.uint8)
         ids = list(range(1, count + 1))
         conn = DKVConnector({LEAF: full_attention(0)}, [{LEAF: [rows]}], namespace="probe-phases",
-                            node=str(node.address), timeout=TIMEOUT)
+                            node=str(node.address), timeout=TIMEOUT, local=False if args.listener else None)
         wait_done(conn.offload({LEAF: ids}, {LEAF: hashes}), "the offload")
         expected = rows[1:].clone()
 
@@ -149,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         limits: dict[str, list[float]] = {"memcpy": [], "copy+checksum": []}
         inside: dict[str, list[float]] = {}
         wrapped = [(NodeClient, "lookup"), (NodeClient, "read"), (LeaseSlots, "_plan"),
-                   (LeaseSlots, "_copy_and_verify"), (WorkerSide, "_read")]
+                   (LeaseSlots, "_copy_and_verify"), (WorkerSide, "_read"), (Connection, "recv_payloads")]
 
         def dkv_load() -> None:
             rows[1:].zero_()
@@ -186,12 +190,13 @@ def main(argv: list[str] | None = None) -> int:
             return statistics.median(samples) * 1e3
 
         memcpy_ms = p50_ms(limits["memcpy"])
-        print(f"same-host load of {count} x {format_size(size)}, {args.rounds} rounds, p50 (ms); "
+        path = "listener" if args.listener else "same-host"
+        print(f"{path} load of {count} x {format_size(size)}, {args.rounds} rounds, p50 (ms); "
               f"load average {os.getloadavg()[0]:.2f}")
         for name, samples in (*limits.items(), *phases.items()):
             print(f"  {name:36s} {p50_ms(samples):8.3f}   {p50_ms(samples) / memcpy_ms:5.2f} x memcpy")
         print("  on the loop thread (and the copy's worker thread):")
-        for label, samples in inside.items():
+        for label, samples in ((label, samples) for label, samples in inside.items() if samples):
             print(f"    {label:34s} {p50_ms(samples):8.3f}   ({len(samples)} calls)")
         whole = p50_ms(phases["whole load"])
         print(f"  load / memcpy {memcpy_ms / whole:.2f}; at most {memcpy_ms / p50_ms(limits['copy+checksum']):.2f} "

@@ -11,7 +11,7 @@ import sys
 
 from dkv.client import NodeClient
 
-SIZE = 256 * 1024  # blocks this large travel one UCX message each: the first is sent whole, the second never
+SIZE = 1 << 20  # blocks of GROUP_BYTES travel one UCX message each: the first is sent whole, the second never
 
 
 async def main(address: str, local: bool, hashes: list[bytes]) -> None:
@@ -24,6 +24,7 @@ async def main(address: str, local: bool, hashes: list[bytes]) -> None:
     if shm:
         session.mapping.slot(reply["offsets"][0], SIZE)[:] = b"\x01" * SIZE  # first block only, no commit
     else:
+        assert reply.get("groups") == [1, 1], reply.get("groups")  # the node's cut: one message a block
         await session.conn._ep.send(bytearray(b"\x01" * SIZE))  # first block's message only
     print("reserved", flush=True)
     await asyncio.sleep(3600)

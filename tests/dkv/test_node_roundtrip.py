@@ -75,21 +75,26 @@ async def test_destination_of_the_wrong_size_is_refused(node, clients) -> None:
         await client.read(found.lease_id, [key], [bytearray(10)])
 
 
-async def test_a_listener_read_of_back_to_back_slots_arrives_in_the_fewer_messages_the_node_announced(
+async def test_listener_transfers_of_back_to_back_slots_travel_in_the_fewer_messages_the_node_cut(
         node_factory, clients, monkeypatch) -> None:
     from dkv import transport
 
     node = node_factory("--pool", "64MiB")
     block = transport.GROUP_BYTES // 4  # large enough to travel alone, unless its neighbours lie back to back
     client = clients(node.address, local=False)
-    announced: list[Any] = []
-    receive = transport.Connection.recv_payloads
+    told: dict[str, list[Any]] = {"sent": [], "received": []}
+    send, receive = transport.Connection.send_payloads, transport.Connection.recv_payloads
 
-    async def recording(self: Any, buffers: Any, timeout: float = 30, landed: Any = None, groups: Any = None) -> None:
-        announced.append(groups)
+    async def sending(self: Any, buffers: Any, timeout: float = 30, groups: Any = None) -> None:
+        told["sent"].append(groups)
+        await send(self, buffers, timeout, groups)
+
+    async def receiving(self: Any, buffers: Any, timeout: float = 30, landed: Any = None, groups: Any = None) -> None:
+        told["received"].append(groups)
         await receive(self, buffers, timeout, landed, groups)
 
-    monkeypatch.setattr(transport.Connection, "recv_payloads", recording)
+    monkeypatch.setattr(transport.Connection, "send_payloads", sending)
+    monkeypatch.setattr(transport.Connection, "recv_payloads", receiving)
     hashes = [os.urandom(32) for _ in range(10)]
     keys = [BlockKey("L", 0, h) for h in hashes]
     blocks = [os.urandom(block) for _ in keys]
@@ -98,4 +103,4 @@ async def test_a_listener_read_of_back_to_back_slots_arrives_in_the_fewer_messag
     dests = [bytearray(block) for _ in keys]
     await client.read(found.lease_id, keys, dests)
     assert [bytes(d) for d in dests] == blocks
-    assert announced == [[4, 4, 2]], "four back-to-back quarter-MiB slots a message, as the node said"
+    assert told == {"sent": [[4, 4, 2]], "received": [[4, 4, 2]]}, "four quarter-MiB slots a message, as the node cut"

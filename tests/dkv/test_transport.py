@@ -147,7 +147,7 @@ async def test_payloads_cut_as_the_sender_announced_arrive_bit_exact_and_reporte
         assert plan[:3] == [(0, 3), (3, 6), (6, 9)] and len(plan) < len(sizes) - 3
         dests = _dests(sizes, dst_adjacent)
         runs: list[tuple[int, int]] = []
-        await asyncio.gather(server.send_payloads(sources, 10, plan),
+        await asyncio.gather(server.send_payloads(sources, 10, transport.plan_groups(plan)),
                              client.recv_payloads(dests, 10, lambda a, b: runs.append((a, b)),
                                                   transport.plan_groups(plan)))
         assert [bytes(d) for d in dests] == [bytes(s) for s in sources]
@@ -174,15 +174,25 @@ async def test_a_sender_that_cuts_other_messages_than_it_announced_is_refused_an
     await _run(check)
 
 
-async def test_a_malformed_announced_plan_aborts_before_any_receive_is_posted() -> None:
-    async def check(client: transport.Connection, server: transport.Connection) -> None:
+async def test_a_malformed_announced_plan_aborts_before_any_receive_is_posted_or_byte_sent() -> None:
+    async def receiving(client: transport.Connection, server: transport.Connection) -> None:
         dests = [bytearray(64 * KIB) for _ in range(4)]
         with pytest.raises(ProtocolError, match="payload groups"):
             await client.recv_payloads(dests, 10, groups=[2, 3])
         assert client.closed
-        assert all(not any(d) for d in dests)
 
-    await _run(check)
+    async def sending(client: transport.Connection, server: transport.Connection) -> None:
+        dests = [bytearray(64 * KIB) for _ in range(4)]
+        receive = asyncio.ensure_future(client.recv_payloads(dests, 3))
+        with pytest.raises(ProtocolError, match="payload groups"):
+            await server.send_payloads([os.urandom(64 * KIB) for _ in dests], 10, groups=[1, 1, 1, 1, 1])
+        assert server.closed
+        with pytest.raises(DKVError):  # the peer went away, or the wait ran out: nothing arrived either way
+            await receive
+        assert all(not any(d) for d in dests), "no byte was sent"
+
+    await _run(receiving)
+    await _run(sending)
 
 
 @pytest.mark.parametrize("body_size", [0, 100, transport.INLINE_MAX - 64, transport.INLINE_MAX + 1, 3 * 2**20])
