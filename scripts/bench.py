@@ -17,8 +17,8 @@ Measured (GB/s = 1e9 bytes/s of block payload; latencies in µs, p50/p99):
 * **limits**: aligned memcpy (``np.copyto`` block by block between page-aligned buffers);
   plain TCP (blocking socket, loopback): stream of the batch's bytes server -> client and a
   16-byte ping-pong; raw UCX (``dkv.transport``, on the event loop dKV's own loops use:
-  :mod:`dkv.event_loop`): the batch's blocks server -> client as one message per block, and a
-  16-byte ping-pong.
+  :mod:`dkv.event_loop`): the batch's blocks server -> client, cut into messages as a node
+  cuts blocks in back-to-back slots (:func:`raw_ucx_groups`), and a 16-byte ping-pong.
 * **Redis** (redis-py + hiredis, loopback TCP): ``MGET`` of the batch, pipelined ``GET``,
   pipelined ``SET`` (replies are parsed into ``bytes``, not copied into the destination
   rows), ``EXISTS`` of 256 and 4096 keys.
@@ -229,6 +229,18 @@ class Rows:
         return bool(np.array_equal(a, b))
 
 
+def raw_ucx_groups(n: int, size: int) -> list[int]:
+    """The raw UCX stream's cut of ``n`` blocks of ``size``: a node's for blocks in back-to-back slots.
+
+    Both ends derive it (the helper's blocks lie a page-rounded stride apart, as slots do), so the
+    limit moves as many messages as dKV's listener load of the same blocks.
+    """
+    from dkv.transport import payload_plan, plan_groups
+
+    stride = (size + PAGE - 1) // PAGE * PAGE
+    return plan_groups(payload_plan([size] * n, [i * stride for i in range(n)]))
+
+
 # ---- the helper process: raw UCX (dkv.transport) and plain TCP ---------------------------------
 
 
@@ -311,7 +323,8 @@ async def _helper_serve(portfile: Path) -> None:
                 req = await conn.recv_message(3600.0)
                 op, n = req.get("op"), int(req.get("n", 0))
                 if op == "s2c" and 0 < n <= 1 << 16 and 0 < int(req.get("size", 0)) <= 1 << 30:
-                    await conn.send_payloads(blocks_for(n, int(req["size"])), OP_TIMEOUT)
+                    size = int(req["size"])
+                    await conn.send_payloads(blocks_for(n, size), OP_TIMEOUT, raw_ucx_groups(n, size))
                 elif op == "ping" and 0 < n <= 1 << 20:
                     for _ in range(n):
                         await conn.recv_payloads([ping], OP_TIMEOUT)
@@ -743,7 +756,7 @@ class RedisBench:
 async def _ucx_stream(conn: Any, views: list[memoryview], size: int) -> float:
     t0 = time.perf_counter()
     await conn.send_message({"op": "s2c", "n": len(views), "size": size}, OP_TIMEOUT)
-    await conn.recv_payloads(views, OP_TIMEOUT)
+    await conn.recv_payloads(views, OP_TIMEOUT, groups=raw_ucx_groups(len(views), size))
     return time.perf_counter() - t0
 
 
