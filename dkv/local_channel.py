@@ -313,8 +313,8 @@ class StreamConnection:
         return message
 
     async def send_payloads(self, buffers: Sequence[Any], timeout: float = DEFAULT_TIMEOUT,
-                            plan: Sequence[tuple[int, int]] | None = None) -> None:
-        """Send each buffer's bytes, in order (the stream needs no per-buffer framing, so ``plan`` is moot)."""
+                            groups: Any = None) -> None:
+        """Send each buffer's bytes, in order (a stream carries no message boundaries, so ``groups`` are moot)."""
         for buffer in buffers:
             await self._send(buffer, timeout, "payload send")
 
