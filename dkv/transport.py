@@ -861,7 +861,7 @@ def payload_plan(sizes: Sequence[int], offsets: Sequence[int] | None = None) -> 
     mapping), also joins consecutive buffers of ``DIRECT_MIN`` up to
     ``GROUP_BYTES`` that lie back to back there, up to ``GROUP_BYTES`` a
     message, so they travel without a copy in fewer messages (UCX's cost per
-    message dominates below 1 MiB: scripts/probe_transport_pingpong.py). Such
+    message dominates below 1 MiB: scripts/probe_payload_groups.py). Such
     a plan depends on one side's memory, so that side tells the other
     (:func:`plan_groups`).
     """
@@ -888,12 +888,12 @@ def payload_plan(sizes: Sequence[int], offsets: Sequence[int] | None = None) -> 
 
 
 def plan_groups(plan: Sequence[tuple[int, int]]) -> list[int]:
-    """A plan as the sender announces it: each message's count of buffers, in order."""
+    """A plan as one side tells it to the other (``groups``): each message's count of buffers, in order."""
     return [end - start for start, end in plan]
 
 
 def plan_from_groups(groups: Any, sizes: Sequence[int]) -> list[tuple[int, int]]:
-    """The plan a sender announced as ``groups`` (:func:`plan_groups`), checked against the receiver's ``sizes``.
+    """The plan the other side told as ``groups`` (:func:`plan_groups`), checked against this side's ``sizes``.
 
     :class:`ProtocolError` unless ``groups`` is a list of positive integers
     that covers every buffer once, in order, and no message of several
