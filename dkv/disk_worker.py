@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 DEFAULT_READ_TIMEOUT = 2.0  # a lookup waits this long for its reads, then promotes nothing
 DEFAULT_CLOSE_TIMEOUT = 5.0  # shutdown waits this long for the disk thread's last work
 DEFAULT_CHECK_INTERVAL = 1.0  # seconds between checks that the tier's directory is still there
+PROMOTION_PASSES = 4  # read plans per lookup: each after spills that landed during the last pass's reads
 
 
 class DiskThread:
@@ -185,39 +186,46 @@ class DiskWorker:
     ) -> dict[StoreKey, Promoted]:
         """Read the on-disk blocks a leased lookup of these hashes could promote, off the event loop.
 
-        Returns the bytes read, for ``Store.lookup(promoted=...)``. A failed
-        read is reported to the store (the block is dropped). Bounded: all
-        reads in flight hold at most ``read_budget`` bytes (what does not fit
-        is not read), and a lookup waits at most ``read_timeout`` (then it
-        promotes nothing; the reads finish in the background, their bytes
-        discarded). Raises nothing but cancellation.
+        Returns the bytes read, for ``Store.lookup(promoted=...)``, which the
+        caller makes with no await in between. A spill that lands while the
+        reads run moves its block from staging (where the lookup would have
+        found its bytes) onto disk, unread: so the reads are planned again
+        until a pass finds nothing new on disk (at most
+        :data:`PROMOTION_PASSES` passes), and no block is missed for having
+        moved meanwhile. A failed read is reported to the store (the block is
+        dropped). Bounded: all reads in flight hold at most ``read_budget``
+        bytes (what does not fit is not read), and a lookup waits at most
+        ``read_timeout`` over all its passes (then it promotes nothing more
+        than the passes before read; the late reads finish in the background,
+        their bytes discarded). Raises nothing but cancellation.
         """
         thread = self._thread
-        if thread is None:
-            return {}
-        budget = self._read_budget - self._reading
-        reads = self._store.disk_reads(namespace, hashes, leaves, shards, budget) if budget > 0 else []
-        if not reads:
-            return {}
-        size = sum(r.entry.size for r in reads)
-        self._reading += size
-        future = asyncio.wrap_future(
-            thread.submit(_read_files, self._disk, [(r.entry.path, r.entry.size) for r in reads], urgent=True))
-        future.add_done_callback(lambda _: self._read_done(size))
-        try:
-            results = await asyncio.wait_for(asyncio.shield(future), self.read_timeout)
-        except asyncio.TimeoutError:
-            self._store.counters.disk_read_timeouts += 1
-            return {}
-        except Exception:  # the thread is closed: nothing to promote
-            return {}
         promoted: dict[StoreKey, Promoted] = {}
-        for read, result in zip(reads, results):
-            if isinstance(result, BaseException):
-                self._log_error("promotion read", read.entry.path, result)
-                self._store.disk_read_failed(read, result)
-            else:
-                promoted[read.key] = Promoted(read.entry, result)
+        deadline = asyncio.get_running_loop().time() + self.read_timeout
+        for _ in range(PROMOTION_PASSES if thread is not None else 0):
+            budget = self._read_budget - self._reading
+            reads = self._store.disk_reads(namespace, hashes, leaves, shards, budget, promoted) if budget > 0 else []
+            if not reads:
+                break
+            size = sum(r.entry.size for r in reads)
+            self._reading += size
+            future = asyncio.wrap_future(
+                thread.submit(_read_files, self._disk, [(r.entry.path, r.entry.size) for r in reads], urgent=True))
+            future.add_done_callback(lambda _, size=size: self._read_done(size))
+            try:
+                results = await asyncio.wait_for(asyncio.shield(future),
+                                                 max(0.0, deadline - asyncio.get_running_loop().time()))
+            except asyncio.TimeoutError:
+                self._store.counters.disk_read_timeouts += 1
+                break
+            except Exception:  # the thread is closed: nothing more to promote
+                break
+            for read, result in zip(reads, results):
+                if isinstance(result, BaseException):
+                    self._log_error("promotion read", read.entry.path, result)
+                    self._store.disk_read_failed(read, result)
+                else:
+                    promoted[read.key] = Promoted(read.entry, result)
         return promoted
 
     @property

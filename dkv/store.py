@@ -62,7 +62,7 @@ import heapq
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -1388,14 +1388,15 @@ class Store:
                         disk.retry_interval)
 
     def disk_reads(self, namespace: str, hashes: Sequence[bytes], leaves: Sequence[str], shards: int,
-                   budget: int) -> list[DiskRead]:
+                   budget: int, read: Container[StoreKey] = ()) -> list[DiskRead]:
         """Files a leased lookup of these hashes could promote: blocks only on disk, shallowest first.
 
         Only hashes that every shard of a leaf holds count; the list stops
         before the first file that would take it past ``budget`` bytes. The
         server reads them off the event loop and hands the bytes to
         :meth:`lookup` (``promoted``), or reports a failed read to
-        :meth:`disk_read_failed`. Plans only; changes nothing.
+        :meth:`disk_read_failed`. Keys in ``read`` (read already) are left
+        out and count nothing. Plans only; changes nothing.
         """
         disk = self.disk
         if disk is None or not len(disk):
@@ -1410,7 +1411,7 @@ class Store:
                     continue
                 for key in keys:
                     entry = disk.entry(key)
-                    if entry is None:
+                    if entry is None or key in read:
                         continue
                     if total + entry.size > budget:
                         return reads

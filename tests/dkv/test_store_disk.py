@@ -683,3 +683,61 @@ async def test_the_mover_notices_a_removed_directory_at_once_and_a_probe_makes_i
         assert_no_leaks(store)
     finally:
         assert await worker.stop()
+
+
+class CountedWritesDisk(DiskTier):
+    """A disk tier whose spill writes wait for a permit each (:meth:`allow`), bounded."""
+
+    def __init__(self, directory: str, capacity: int) -> None:
+        super().__init__(directory, capacity)
+        self._permits = threading.Semaphore(0)
+        self.waiting = threading.Event()  # a write is waiting for its permit
+
+    def allow(self, writes: int = 1) -> None:
+        for _ in range(writes):
+            self._permits.release()
+
+    def write_file(self, path: str, data: Any) -> None:  # type: ignore[override]
+        self.waiting.set()
+        if not self._permits.acquire(timeout=BOUND):
+            raise OSError(errno.EIO, "test permit never came", path)
+        self.waiting.clear()
+        DiskTier.write_file(path, data)
+
+
+async def test_a_block_whose_spill_lands_while_a_lookup_reads_is_read_too_not_missed(arena: Arena, tmp_path) -> None:
+    """Found once under CI load: the lookup planned its reads while one block was still staged, that
+    block's spill landed during the reads (so it left staging for disk, unread), and the lookup missed it."""
+    from dkv.disk_worker import DiskWorker
+
+    disk = CountedWritesDisk(str(tmp_path), 8 * BLOCK)
+    store, _ = make_store(arena, disk)
+    worker = DiskWorker(store)
+    worker.start()
+    try:
+        spilled = keys(chain(2, b"a"))
+        put(store, spilled)
+        put(store, keys(chain(8, b"b")))  # both of "a" are evicted: two spills queued
+        disk.allow()  # the first spill is written; the second waits on the disk thread
+        await _until(lambda: store.counters.spills == 1 and disk.waiting.is_set(), "one spill written, one waiting")
+        on_disk = [k for k in spilled if k in disk]
+        assert len(on_disk) == 1, "one block on disk, the other still staged (its write in flight)"
+        hashes = [k.hash for k in spilled]
+        reading = asyncio.ensure_future(worker.promotions(NS, hashes, ["L"], 1))  # plans the one on-disk read
+        await asyncio.sleep(0.05)
+        assert not reading.done(), "the read waits behind the spill write on the one disk thread"
+        disk.allow()  # the second spill lands first: its block moves onto disk while the lookup's read waits
+        promoted = await asyncio.wait_for(reading, BOUND)
+        assert store.counters.spills == 2
+        assert set(promoted) == set(spilled), "the block that landed during the reads was read as well"
+        masks, lease = store.lookup(NS, hashes, ["L"], 1, owner="c", promoted=promoted)
+        assert masks == {"L": [True, True]}
+        for key in spilled:
+            assert bytes(store.arena.slot(NS, store.blocks[key].offset, BLOCK)) == fill(key)
+        end(store, lease)
+        disk.allow(16)  # the blocks these promotions pushed out spill in turn
+        await _until(lambda: store.staging_usage() == (0, 0), "the spills of the blocks pushed out")
+        assert_no_leaks(store)
+    finally:
+        disk.allow(64)
+        assert await worker.stop()
