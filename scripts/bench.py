@@ -1183,6 +1183,18 @@ class Bench:
 # ---- ratios, targets, report --------------------------------------------------------------------
 
 
+# Ratios also taken round by round (each round runs every contender back to back, rotated), for
+# information: the targets are judged on the ratio of medians, above.
+PER_ROUND_RATIOS = {"local_load_vs_memcpy": ("dkv_load_local", "memcpy"),
+                    "listener_load_vs_tcp_stream": ("dkv_load_listener", "tcp_stream")}
+
+
+def per_round_ratio(contenders: dict[str, Any], dkv: str, limit: str) -> float:
+    """The median over rounds of ``dkv / limit`` measured in the same round (less moved by a noisy baseline)."""
+    pairs = zip(contenders[dkv]["runs_gbps"], contenders[limit]["runs_gbps"], strict=True)
+    return statistics.median(a / b for a, b in pairs)
+
+
 def compute(doc: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     ratios: dict[str, Any] = {}
     targets: list[dict[str, Any]] = []
@@ -1199,6 +1211,8 @@ def compute(doc: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
              "listener_load_vs_raw_ucx": c["dkv_load_listener"] / c["ucx_stream"],
              "local_offload_vs_memcpy": c["dkv_offload_local"] / c["memcpy"],
              "listener_offload_vs_redis_set": c["dkv_offload_listener"] / c["redis_pipe_set"]}
+        r["per_round"] = {key: per_round_ratio(e["contenders"], dkv, limit)
+                          for key, (dkv, limit) in PER_ROUND_RATIOS.items()}
         ratios[e["size_label"]] = r
         size, label = e["size"], e["size_label"]
         goal = GOAL_LOCAL_LARGE if size >= MiB else GOAL_LOCAL_SMALL
@@ -1283,6 +1297,10 @@ def print_report(doc: dict[str, Any], file: Any = None) -> None:
               f">= {GOAL_LISTENER_VS_TCP}x every size")
     ratio_row("listener load / best Redis GET", "listener_load_vs_best_redis_get",
               "listener load / best Redis GET", f">= {GOAL_LISTENER_VS_REDIS}x from 256 KiB")
+    for key, label in (("local_load_vs_memcpy", "same-host load / memcpy"),
+                       ("listener_load_vs_tcp_stream", "listener load / TCP stream")):
+        table.add_row(f"{label}, median of per-round ratios", per_size(
+            lambda e, k=key: f"{doc['ratios'][e['size_label']]['per_round'][k]:.2f}x"), "(information)", "")
     ratio_row("listener load / raw UCX stream", "listener_load_vs_raw_ucx", None, "")
     ratio_row("listener offload / Redis SET", "listener_offload_vs_redis_set", None, "")
     table.add_section()

@@ -59,7 +59,9 @@ def test_bench_smoke(tmp_path: Path) -> None:
         assert r["max_rss_bytes"] > 0 and r["pool_bytes"] > 0
     for ratios in doc["ratios"].values():
         if isinstance(ratios, dict):
-            for name, value in ratios.items():
+            per_round = ratios.pop("per_round")
+            assert set(per_round) == {"local_load_vs_memcpy", "listener_load_vs_tcp_stream"}
+            for name, value in (*ratios.items(), *per_round.items()):
                 _positive(value, f"ratio {name}")
     assert doc["targets"] and all(isinstance(t["pass"], bool) for t in doc["targets"])
     assert all(doc["verified"].values()), doc["verified"]
