@@ -50,7 +50,7 @@ from dkv.store import (
     StoreKey,
     Use,
 )
-from dkv.transport import Connection, Listener, active_progress_mode, payload_plan, plan_groups, stop_progress
+from dkv.transport import Connection, Listener, active_progress_mode, payload_groups, stop_progress
 from dkv.units import is_loopback
 from dkv.wire import (
     MAX_FRAME,
@@ -783,7 +783,7 @@ class NodeServer:
             return  # the client copies from the shared arena, then sends done
         try:
             held = [p for p in slots if p.size]
-            groups = _slot_groups([p.offset for p in held], [p.size for p in held])
+            groups = payload_groups([p.size for p in held], [p.offset for p in held])  # back-to-back slots join
             await self._reply(peer, sizes=sizes, sums=sums, groups=groups)
             await peer.conn.send_payloads([self.arena.slot(peer.namespace, p.offset, p.size) for p in held],
                                           self.config.op_timeout, groups)
@@ -810,7 +810,7 @@ class NodeServer:
             return  # the client copies into the reserved slots, then commits
         try:
             held = [(o, n) for o, n in zip(res.offsets, res.sizes) if n]
-            groups = _slot_groups([o for o, _ in held], [n for _, n in held])
+            groups = payload_groups([n for _, n in held], [o for o, _ in held])
             await self._reply(peer, write=res.write_id, status=statuses, groups=groups)
             slots = [self.arena.slot(peer.namespace, o, n) for o, n in held]
             await peer.conn.recv_payloads(slots, self.config.op_timeout, groups=groups)
@@ -923,15 +923,6 @@ def _tenant_of(peer: _Peer) -> str:
     """The name of the credential ``peer`` authenticated with (``""``: the cluster credential)."""
     assert peer.credential is not None, "ops run only on authenticated connections"
     return peer.credential.name
-
-
-def _slot_groups(offsets: list[int], sizes: list[int]) -> list[int]:
-    """How a listener transfer of these slots is cut into UCX messages, as the peer is told it (``groups``).
-
-    Slots that lie back to back in the namespace's segment share messages up
-    to :data:`dkv.transport.GROUP_BYTES`, sent or received in place.
-    """
-    return plan_groups(payload_plan(sizes, offsets))
 
 
 def _pack_masks(masks: dict[str, list[bool]]) -> dict[str, bytes]:

@@ -887,6 +887,15 @@ def payload_plan(sizes: Sequence[int], offsets: Sequence[int] | None = None) -> 
     return plan
 
 
+def payload_groups(sizes: Sequence[int], offsets: Sequence[int]) -> list[int]:
+    """The cut, as ``groups`` to tell the other side, of buffers of ``sizes`` starting at ``offsets`` on this side.
+
+    Buffers that lie back to back there share messages up to :data:`GROUP_BYTES`
+    (:func:`payload_plan`), sent or received in place.
+    """
+    return plan_groups(payload_plan(sizes, offsets))
+
+
 def plan_groups(plan: Sequence[tuple[int, int]]) -> list[int]:
     """A plan as one side tells it to the other (``groups``): each message's count of buffers, in order."""
     return [end - start for start, end in plan]

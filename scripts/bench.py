@@ -235,10 +235,10 @@ def raw_ucx_groups(n: int, size: int) -> list[int]:
     Both ends derive it (the helper's blocks lie a page-rounded stride apart, as slots do), so the
     limit moves as many messages as dKV's listener load of the same blocks.
     """
-    from dkv.transport import payload_plan, plan_groups
+    from dkv.transport import payload_groups
 
     stride = (size + PAGE - 1) // PAGE * PAGE
-    return plan_groups(payload_plan([size] * n, [i * stride for i in range(n)]))
+    return payload_groups([size] * n, [i * stride for i in range(n)])
 
 
 # ---- the helper process: raw UCX (dkv.transport) and plain TCP ---------------------------------
