@@ -686,8 +686,7 @@ class NodeServer:
         )
         extra = {}
         if lease is not None and slot_map:  # one round trip per load: where the leased blocks lie
-            extra["slots"] = {leaf: [array("q", offsets).tobytes(), array("q", sizes).tobytes(), b"".join(sums)]
-                              for leaf, (offsets, sizes, sums) in slot_map.items()}
+            extra["slots"] = {leaf: list(packed) for leaf, packed in slot_map.items()}  # packed by the store
         await self._reply(peer, masks=_pack_masks(masks), lease=lease.lease_id if lease else None,
                           ttl=self.config.lease_ttl, **extra)
 

@@ -61,7 +61,9 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import struct
 import time
+from array import array
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -71,6 +73,7 @@ from dkv.disk_tier import MISSING, DiskEntry, DiskTier, fault_of
 from dkv.credentials import Quotas
 from dkv.errors import LeaseExpired, NodeBusy, WriteRejected
 from dkv.spill import DEFAULT_STAGING_BYTES, SpillJob, Staging
+from dkv.store_runs import NO_SUM, bind, pin_run, unpin_all
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +124,9 @@ class Block:
     @property
     def on_host(self) -> bool:
         return self.offset >= 0
+
+
+bind(Block)  # the native lookup run reads and writes a Block's slots directly (dkv.store_runs)
 
 
 @dataclass(slots=True)
@@ -259,13 +265,14 @@ class Promoted(NamedTuple):
 
 
 _LEASE, _READ, _RESERVATION = 0, 1, 2  # kinds of expiring items
-_NO_SUM = bytes(16)  # a slot map's checksum where a block has none (its offset is -1 there)
+_INT64 = struct.Struct("q")  # one entry of a packed slot map's offsets or sizes (as array("q") packs them)
+SlotMap = tuple[bytes, bytes, bytes]  # per leaf: offsets and sizes (native int64 each), checksums (16 bytes each)
 
 
 def _slot_of(block: Block | None) -> tuple[int, int, bytes]:
     """A block's entry in a slot map: ``(-1, 0, zeros)`` where it cannot be copied the one-round-trip way."""
     if block is None or block.checksum is None or block.offset < 0:
-        return -1, 0, _NO_SUM
+        return -1, 0, NO_SUM
     return block.offset, block.size, block.checksum
 _NOTHING_HELD = (0, 0)  # a connection without reservations: (bytes, keys)
 
@@ -483,7 +490,7 @@ class Store:
         group: int = 0,
         promoted: Mapping[StoreKey, Promoted] | None = None,
         tenant: str = "",
-        slots: dict[str, tuple[list[int], list[int], list[bytes]]] | None = None,
+        slots: dict[str, SlotMap] | None = None,
     ) -> tuple[dict[str, list[bool]], Lease | None]:
         """Presence masks; with ``owner``, also a lease pinning every block reported present.
 
@@ -543,16 +550,17 @@ class Store:
 
     def _pin_present(self, namespace: str, hashes: Sequence[bytes], leaves: Sequence[str], shards: int,
                      held: list[Block], depths: list[int], promoted: Mapping[StoreKey, Promoted] | None,
-                     slots: dict[str, tuple[list[int], list[int], list[bytes]]] | None = None) -> dict[str, list[bool]]:
+                     slots: dict[str, SlotMap] | None = None) -> dict[str, list[bool]]:
         """Per leaf, the mask of hashes whose every shard is held and now pinned on the host tier.
 
         Each pinned block goes into ``held`` (its depth into ``depths``) as it
         is pinned, so a caller can give the pins back if this raises midway.
-        One pass per key (the lookup's hot path): the blocks are fetched in
-        one comprehension, spilled ones promoted first (a block that cannot be
-        brought back is reported absent; a promotion can evict blocks not yet
-        pinned, so after one the rest are fetched afresh). With one shard,
-        ``slots`` (when given) gets each leaf's slot map in the same pass (see
+        With one shard (the lookup's hot path) the work per key is
+        :func:`dkv.store_runs.pin_run`, native where built: runs of host-tier
+        blocks, each spilled block promoted here between runs (one that cannot
+        be brought back is reported absent; a promotion can evict blocks not
+        yet pinned, so the next run fetches the rest afresh). ``slots`` (when
+        given) then gets each leaf's packed slot map from the same pass (see
         :meth:`lease_slots`).
         """
         blocks, masks = self.blocks, {}
@@ -574,50 +582,36 @@ class Store:
                 held.extend(blocks[k] for k in pinned)
                 depths.extend(pinned.values())
             return masks
-        get, hold, at_depth = blocks.get, held.append, depths.append
-        newly = 0
+        tally = [0]  # blocks whose pins went from 0 to 1, kept true by pin_run even when it raises
         try:
             for leaf in leaves:
-                found = [get((namespace, leaf, 0, h)) for h in hashes]  # type: ignore[call-overload]
-                mask = []
-                append = mask.append
-                offsets: list[int] = []
-                sizes: list[int] = []
-                sums: list[bytes] = []
-                fresh = False  # a promotion made room: blocks fetched before it may have gone since
-                for depth, block in enumerate(found):
-                    if fresh:
-                        block = get((namespace, leaf, 0, hashes[depth]))  # type: ignore[call-overload]
-                    if block is not None and block.offset < 0:
-                        fresh = True
-                        if not self._promote(block, promoted):
-                            block = None
-                    if block is None:
-                        append(False)
-                        offsets.append(-1)
-                        sizes.append(0)
-                        sums.append(_NO_SUM)
-                        continue
-                    if block.pins == 0:
-                        newly += 1
-                    block.pins += 1
-                    hold(block)
-                    at_depth(depth)
-                    append(True)
-                    checksum = block.checksum
-                    if checksum is None:
-                        offsets.append(-1)
-                        sizes.append(0)
-                        sums.append(_NO_SUM)
-                    else:
-                        offsets.append(block.offset)
-                        sizes.append(block.size)
-                        sums.append(checksum)
+                mask: list[bool] = []
+                packed = (bytearray(), bytearray(), bytearray()) if slots is not None else (None, None, None)
+                at, count = 0, len(hashes)
+                while at < count:  # runs of host-tier blocks; one off the host tier is brought back here
+                    at = pin_run(blocks, namespace, leaf, hashes, at, mask, held, depths, tally, *packed)
+                    if at == count:
+                        break
+                    block = blocks[(namespace, leaf, 0, hashes[at])]  # type: ignore[index]
+                    present = self._promote(block, promoted)
+                    if present:
+                        if block.pins == 0:
+                            tally[0] += 1
+                        block.pins += 1
+                        held.append(block)
+                        depths.append(at)
+                    mask.append(present)
+                    if slots is not None:
+                        offset, size, checksum = _slot_of(block if present else None)
+                        packed[0].extend(_INT64.pack(offset))  # type: ignore[union-attr]
+                        packed[1].extend(_INT64.pack(size))  # type: ignore[union-attr]
+                        packed[2].extend(checksum)  # type: ignore[union-attr]
+                    at += 1
                 if slots is not None:
-                    slots[leaf] = (offsets, sizes, sums)
+                    slots[leaf] = (bytes(packed[0]), bytes(packed[1]), bytes(packed[2]))  # type: ignore[arg-type]
                 masks[leaf] = mask
         finally:
-            self.pinned_blocks += newly
+            self.pinned_blocks += tally[0]
         return masks
 
     def _pin_on_host(self, key: StoreKey, pinned: dict[StoreKey, int],
@@ -740,13 +734,14 @@ class Store:
         return block.pins > 0
 
     def lease_slots(self, lease: Lease, namespace: str, hashes: Sequence[bytes], leaves: Sequence[str],
-                    shards: int) -> dict[str, tuple[list[int], list[int], list[bytes]]]:
+                    shards: int) -> dict[str, SlotMap]:
         """Where a lease's blocks lie, for a same-host client that copies them itself (one round trip per load).
 
-        Per leaf, three lists over ``hashes`` x ``shards`` (hash-major): the
-        slot offset (``-1`` where the lease holds no block, or the block has no
-        checksum: such a block is read the two-step way), the size, and the
-        writer's checksum (16 zero bytes where none). The lease's pins hold the
+        Per leaf, a :data:`SlotMap`: three packed arrays over ``hashes`` x
+        ``shards`` (hash-major), as they travel in a lookup's reply: the slot
+        offset (``-1`` where the lease holds no block, or the block has no
+        checksum: such a block is read the two-step way), the size (``0``
+        there), and the writer's checksum (16 zero bytes there). The lease's pins hold the
         slots; a client that copies after they ended (TTL, a later lookup of
         its group) sees its checksum fail and falls back to a read.
         """
@@ -762,7 +757,7 @@ class Store:
                     offsets.append(offset)
                     sizes.append(size)
                     sums.append(checksum)
-            slots[leaf] = (offsets, sizes, sums)
+            slots[leaf] = (array("q", offsets).tobytes(), array("q", sizes).tobytes(), b"".join(sums))
         return slots
 
     def end_used_lease(self, lease_id: int, owner: str, uses: list[Use] | None = None) -> bool:
@@ -1506,14 +1501,9 @@ class Store:
         self.counters.disk_hits += 1
         return True
 
-    def _unpin_blocks(self, held: Iterable[Block]) -> None:
+    def _unpin_blocks(self, held: list[Block]) -> None:
         """Give back one pin per entry of ``held`` (a lease's blocks: indexed while pinned)."""
-        unpinned = 0
-        for block in held:
-            block.pins -= 1
-            if block.pins == 0:
-                unpinned += 1
-        self.pinned_blocks -= unpinned
+        self.pinned_blocks -= unpin_all(held)
 
     def _notify_evicted(self, keys: list[StoreKey]) -> None:
         """Tell every ``on_evict`` callback; one that raises is logged and cannot undo the store's change."""

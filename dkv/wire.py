@@ -239,10 +239,6 @@ def _leaf_list(values: Any) -> bool:
                           and max(map(len, values)) <= MAX_LEAF_ID_LENGTH)
 
 
-def _int(lo: int, hi: int) -> Callable[[object], bool]:
-    return lambda v: isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
-
-
 def _hashes(v: object) -> bool:
     return isinstance(v, list) and len(v) <= MAX_KEYS and _hash_list(v)
 

@@ -14,14 +14,14 @@ VENV=.venv
 # setup EXTRAS: etcd, .venv, and this project with the given pip extras (e.g. "test,max").
 setup() {
   local extras=$1
-  local headers=""  # Python's own headers, for the native checked copy (dkv/_checked_copy.c)
+  local headers=""  # Python's own headers, for the native pieces (dkv/_checked_copy.c, dkv/_store_index.c)
   "$PY" -c "import os, sysconfig; raise SystemExit(not os.path.exists(sysconfig.get_paths()['include'] + '/Python.h'))" \
     || headers="python3-dev"
   if ! command -v etcd >/dev/null 2>&1 || ! command -v openssl >/dev/null 2>&1 \
       || ! command -v redis-server >/dev/null 2>&1 || ! command -v gcc >/dev/null 2>&1 \
       || [ ! -f /usr/include/xxhash.h ] || [ -n "$headers" ]; then
     echo "==> installing etcd (Debian package etcd-server), openssl (test certificates), redis-server (bench baseline)," \
-      "gcc and libxxhash-dev (the native checked copy)"
+      "gcc and libxxhash-dev (the native checked copy and lookup run)"
     if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq etcd-server iproute2 openssl redis-server \

@@ -6,6 +6,8 @@ bounds on the store's own book-keeping (expiry and recency structures).
 
 from __future__ import annotations
 
+from array import array
+
 import pytest
 
 from dkv.errors import LeaseExpired
@@ -162,8 +164,11 @@ def test_a_leased_lookup_maps_the_slots_of_what_it_pins_in_the_same_pass(store: 
     slots: dict = {}
     masks, lease = store.lookup(NS, asked, ["L"], shards, owner="c", slots=slots)
     assert lease is not None and masks == {"L": [True, True, True, False]}
-    offsets, sizes, sums = slots["L"]
-    assert (offsets, sizes, sums) == store.lease_slots(lease, NS, asked, ["L"], shards)["L"]
+    assert slots["L"] == store.lease_slots(lease, NS, asked, ["L"], shards)["L"]
+    packed_offsets, packed_sizes, packed_sums = slots["L"]  # packed as they travel: int64s, 16-byte checksums
+    offsets, sizes = array("q", packed_offsets), array("q", packed_sizes)
+    sums = [packed_sums[i:i + 16] for i in range(0, len(packed_sums), 16)]
+    assert len(offsets) == len(sizes) == len(sums) == len(asked) * shards
     for i, h in enumerate(asked):
         for shard in range(shards):
             j = i * shards + shard

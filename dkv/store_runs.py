@@ -1,0 +1,119 @@
+"""A leased lookup's per-key work over the store's index: in C where built, else the same in Python.
+
+:func:`pin_run` is the inner loop of a one-shard leased lookup
+(:meth:`dkv.store.Store._pin_present`): fetch each hash's block, pin the ones
+on the host tier, and write the mask, the lease's blocks and depths, and the
+same-host slot map, already packed for the wire. :func:`unpin_all` gives a
+lease's pins back. Contract, for both builds:
+
+* ``pin_run(blocks, namespace, leaf, hashes, start, mask, held, depths, tally,
+  offsets, sizes, sums) -> stop`` walks ``hashes[start:]`` in order. An absent
+  block: ``mask`` gets False and the slot map ``(-1, 0, 16 zero bytes)``. A
+  block off the host tier (``offset < 0``): the run stops and returns its index,
+  nothing done for it (the caller brings it back or reports it absent, then
+  runs again from the next index). A block on the host tier: one more pin,
+  appended to ``held`` (its index to ``depths``), ``mask`` gets True, and the
+  slot map its ``(offset, size, checksum)``, or ``(-1, 0, zeros)`` where it has
+  no checksum. Returns ``len(hashes)`` when every hash was seen.
+* ``tally[0]`` grows by the blocks whose pins went from 0 to 1, **also when it
+  raises midway**; every block pinned before an error is in ``held``. So a
+  caller that gives back ``held``'s pins on an error keeps its count of pinned
+  blocks true.
+* ``offsets`` and ``sizes`` are bytearrays that get one native ``int64`` per
+  hash seen (as ``array("q")`` packs them), ``sums`` 16 bytes per hash; all
+  three ``None`` for no slot map.
+* ``unpin_all(held) -> int``: one pin less on each block listed (twice listed:
+  two less); how many reached 0.
+
+The native build (``dkv._store_index``, built at install where a C compiler is
+present) reads and writes a :class:`dkv.store.Block`'s slots directly, learned
+once by :func:`bind`. ``DKV_NATIVE_INDEX=0`` turns it off (to compare, or to
+rule it out). The tests run both twins over the same stores and compare every
+output and every block's pins.
+"""
+
+from __future__ import annotations
+
+import os
+from array import array
+from collections.abc import Callable, Sequence
+from typing import Any
+
+NO_SUM = bytes(16)  # a slot map's checksum where a block has none, or none is copied the one-round-trip way
+
+PinRun = Callable[[dict, str, str, Sequence[bytes], int, list, list, list, list,
+                   bytearray | None, bytearray | None, bytearray | None], int]
+
+
+def pin_run_python(blocks: dict, namespace: str, leaf: str, hashes: Sequence[bytes], start: int, mask: list[bool],
+                   held: list, depths: list[int], tally: list[int], offsets: bytearray | None,
+                   sizes: bytearray | None, sums: bytearray | None) -> int:
+    """The Python twin of the native ``pin_run`` (see the module's contract)."""
+    get, hold, at_depth, note = blocks.get, held.append, depths.append, mask.append
+    offs: list[int] = []
+    lens: list[int] = []
+    digests: list[bytes] = []
+    newly, stop = 0, len(hashes)
+    try:
+        for i in range(start, len(hashes)):
+            block = get((namespace, leaf, 0, hashes[i]))
+            if block is None:
+                note(False)
+                offs.append(-1)
+                lens.append(0)
+                digests.append(NO_SUM)
+                continue
+            if block.offset < 0:
+                stop = i
+                break
+            note(True)
+            at_depth(i)
+            hold(block)
+            if block.pins == 0:
+                newly += 1
+            block.pins += 1
+            checksum = block.checksum
+            if checksum is None:
+                offs.append(-1)
+                lens.append(0)
+                digests.append(NO_SUM)
+            else:
+                offs.append(block.offset)
+                lens.append(block.size)
+                digests.append(checksum)
+    finally:
+        tally[0] += newly
+    if offsets is not None:
+        assert sizes is not None and sums is not None
+        offsets += array("q", offs)
+        sizes += array("q", lens)
+        sums += b"".join(digests)
+    return stop
+
+
+def unpin_all_python(held: list) -> int:
+    """The Python twin of the native ``unpin_all``."""
+    reached = 0
+    for block in held:
+        block.pins -= 1
+        if block.pins == 0:
+            reached += 1
+    return reached
+
+
+_native: Any = None
+if os.environ.get("DKV_NATIVE_INDEX", "1") != "0":
+    try:
+        from dkv import _store_index as _native
+    except ImportError:
+        _native = None
+
+NATIVE = _native is not None
+pin_run: PinRun = _native.pin_run if NATIVE else pin_run_python
+unpin_all: Callable[[list], int] = _native.unpin_all if NATIVE else unpin_all_python
+
+
+def bind(block_type: type) -> None:
+    """Tell the native build where ``block_type``'s fields lie (:mod:`dkv.store` calls it once)."""
+    if NATIVE:
+        _native.bind(block_type)

@@ -1,0 +1,202 @@
+"""The leased lookup's per-key run: the native build and its Python twin do the same, output for output.
+
+Each case builds two identical stores of blocks (one per twin, since a run
+changes pins), runs both twins over them, and compares everything a run
+returns or changes: where it stopped, the mask, the blocks held (by position),
+the depths, the tally of newly pinned blocks, the packed slot map and every
+block's pins afterwards.
+"""
+
+from __future__ import annotations
+
+import copy
+from array import array
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dkv.store as dkv_store
+from dkv import store_runs
+from dkv.arena import Arena
+from dkv.disk_tier import DiskTier
+from dkv.store import Block, Store, StoreKey
+
+NS, LEAF = "ns", "L"
+
+native = pytest.mark.skipif(not store_runs.NATIVE, reason="the native index is not built (see the test below)")
+
+
+def test_the_native_store_index_is_built() -> None:
+    assert store_runs.NATIVE and store_runs.pin_run is not store_runs.pin_run_python, (
+        "dkv._store_index was not built: install a C compiler, then `pip install -e .` again "
+        "(scripts/run.sh does both)")
+
+
+def _hash(i: int) -> bytes:
+    return i.to_bytes(4, "little") * 8
+
+
+def _blocks(specs: list[tuple[int, int, int, bool]]) -> dict[Any, Block]:
+    """One block per spec ``(offset, size, pins, has_checksum)``, hashed ``_hash(i)``."""
+    out = {}
+    for i, (offset, size, pins, summed) in enumerate(specs):
+        key = StoreKey(NS, LEAF, 0, _hash(i))
+        out[key] = Block(key, size, offset, pins=pins, checksum=bytes([i % 251, 7]) * 8 if summed else None)
+    return out
+
+
+def _run(run: Any, blocks: dict, hashes: list[bytes], start: int, slots: bool) -> dict[str, Any]:
+    mask: list[bool] = []
+    held: list[Block] = []
+    depths: list[int] = []
+    tally = [5]  # a count the caller already had: the run adds to it
+    packed = (bytearray(b"o"), bytearray(b"s"), bytearray(b"c")) if slots else (None, None, None)
+    stop = run(blocks, NS, LEAF, hashes, start, mask, held, depths, tally, *packed)
+    order = list(blocks.values())
+    return {
+        "stop": stop, "mask": mask, "held": [order.index(b) for b in held], "depths": depths, "tally": tally,
+        "packed": [bytes(p) for p in packed] if slots else None, "pins": [b.pins for b in order],
+    }
+
+
+# offsets: mostly on the host tier (-1, off it, stops a run); sizes up to the store's largest block
+block_specs = st.lists(st.tuples(st.sampled_from([-1, 0, 4096, 8192, 65536, 1 << 40]), st.integers(1, 1 << 28),
+                                 st.integers(0, 3), st.booleans()), min_size=0, max_size=24)
+
+
+@native
+@settings(max_examples=300, deadline=None)
+@given(specs=block_specs, picks=st.lists(st.integers(0, 30), max_size=40),
+       start=st.one_of(st.just(0), st.integers(0, 3), st.integers(0, 40)),
+       slots=st.booleans())
+def test_both_twins_pin_map_and_stop_alike_over_any_store(specs: list, picks: list[int], start: int,
+                                                          slots: bool) -> None:
+    hashes = [_hash(i) for i in picks]  # indexes past the specs are absent; repeats pin twice
+    start = min(start, len(hashes))
+    blocks = _blocks(specs)
+    twin = copy.deepcopy(blocks)
+    native_out = _run(store_runs.pin_run, blocks, hashes, start, slots)
+    python_out = _run(store_runs.pin_run_python, twin, hashes, start, slots)
+    assert native_out == python_out
+    stop = native_out["stop"]
+    assert start <= stop <= len(hashes)
+    assert len(native_out["mask"]) == stop - start
+    if slots:  # one entry per hash seen, after what the buffers held
+        offsets, sizes, sums = native_out["packed"]
+        assert (len(offsets) - 1, len(sizes) - 1, len(sums) - 1) == (8 * (stop - start),) * 2 + (16 * (stop - start),)
+        assert all(o == -1 or o >= 0 for o in array("q", offsets[1:]))
+
+
+@native
+def test_a_run_stops_at_a_block_off_the_host_and_leaves_it_alone() -> None:
+    blocks = _blocks([(0, 10, 0, True), (-1, 10, 0, True), (8192, 10, 1, False)])
+    out = _run(store_runs.pin_run, blocks, [_hash(0), _hash(1), _hash(2)], 0, True)
+    assert out["stop"] == 1 and out["mask"] == [True] and out["pins"] == [1, 0, 1] and out["tally"] == [6]
+    out = _run(store_runs.pin_run, blocks, [_hash(0), _hash(1), _hash(2), _hash(9)], 2, True)
+    assert out["stop"] == 4 and out["mask"] == [True, False] and out["pins"] == [1, 0, 2] and out["tally"] == [5]
+    offsets, sizes, sums = out["packed"]
+    assert list(array("q", offsets[1:])) == [-1, -1] and list(array("q", sizes[1:])) == [0, 0]  # no checksum: -1
+    assert sums[1:] == bytes(32)
+
+
+@native
+@pytest.mark.parametrize("bad", ["checksum", "type"])
+def test_a_bad_entry_midway_raises_with_every_pin_taken_so_far_held_and_counted(bad: str) -> None:
+    blocks = _blocks([(0, 10, 0, True), (4096, 10, 2, True), (8192, 10, 0, True)])
+    key = list(blocks)[2]
+    if bad == "checksum":
+        blocks[key].checksum = b"short"
+    else:
+        blocks[key] = object()  # type: ignore[assignment]
+    mask: list[bool] = []
+    held: list[Block] = []
+    depths: list[int] = []
+    tally = [0]
+    with pytest.raises(TypeError):
+        store_runs.pin_run(blocks, NS, LEAF, [_hash(0), _hash(1), _hash(2)], 0, mask, held, depths, tally,
+                           bytearray(), bytearray(), bytearray())
+    first, second = list(blocks.values())[:2]
+    assert held == [first, second] and depths == [0, 1] and (first.pins, second.pins) == (1, 3)
+    assert tally == [1]  # only the first went from 0 to 1
+    assert store_runs.unpin_all(held) == 1 and (first.pins, second.pins) == (0, 2)
+
+
+@native
+@pytest.mark.parametrize("args", [
+    ("not a dict", NS, LEAF, [], 0, [], [], [], [0], None, None, None),
+    ({}, NS, LEAF, [], 0, [], [], [], [], None, None, None),  # no tally
+    ({}, NS, LEAF, [], 0, [], [], [], [0], bytearray(), None, None),  # one buffer of three
+    ({}, NS, LEAF, [], 1, [], [], [], [0], None, None, None),  # start past the end
+    ({}, NS, LEAF, 7, 0, [], [], [], [0], None, None, None),  # hashes not a sequence
+])
+def test_malformed_arguments_are_refused_before_anything_is_pinned(args: tuple) -> None:
+    with pytest.raises((TypeError, ValueError)):
+        store_runs.pin_run(*args)
+
+
+@native
+def test_unpin_all_checks_every_entry_before_it_changes_any() -> None:
+    blocks = list(_blocks([(0, 10, 2, True), (4096, 10, 0, True)]).values())
+    with pytest.raises(ValueError):
+        store_runs.unpin_all(blocks)  # the second holds no pin
+    assert [b.pins for b in blocks] == [2, 0]
+    with pytest.raises(TypeError):
+        store_runs.unpin_all([blocks[0], "not a block"])
+    assert blocks[0].pins == 2
+    twin = copy.deepcopy(blocks[:1]) * 2
+    assert store_runs.unpin_all([blocks[0], blocks[0]]) == store_runs.unpin_all_python(twin) == 1
+    assert blocks[0].pins == twin[0].pins == 0
+
+
+@native
+def test_bind_takes_only_a_type_whose_fields_are_writable_slots() -> None:
+    from dkv import _store_index
+
+    class Plain:
+        offset = size = pins = checksum = 0
+
+    with pytest.raises(TypeError):
+        _store_index.bind(Plain)
+    with pytest.raises(TypeError):
+        _store_index.bind(Block(StoreKey(NS, LEAF, 0, _hash(0)), 1, 0))
+    _store_index.bind(Block)  # the store's own binding stands
+
+
+@native
+@pytest.mark.parametrize("staged", [False, True])
+def test_a_store_lookup_answers_alike_on_either_twin(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                     staged: bool) -> None:
+    """Whole leased lookups (promotions from staging among them) give the same masks, pins and slot maps."""
+    runs = iter(range(2))
+
+    def lookups() -> list[Any]:
+        arena = Arena(8 * 4096, label="twins")
+        try:  # with a disk tier, evicted blocks wait in staging, and a lookup promotes them between runs
+            disk = DiskTier(str(tmp_path / f"disk{next(runs)}"), 32 * 4096) if staged else None
+            store = Store(arena, disk)
+            keys = [StoreKey(NS, LEAF, 0, _hash(i)) for i in range(12)]  # more than the pool: some are evicted
+            for i, key in enumerate(keys):
+                res, _ = store.reserve("w", [key], [4096], [bytes([i]) * 16])
+                store.commit(res.write_id, "w")
+            asked = [k.hash for k in keys] + [_hash(99), keys[3].hash]
+            out = []
+            for group in range(2):
+                slots: dict = {}
+                masks, lease = store.lookup(NS, asked, [LEAF], 1, owner="c", group=group, slots=slots)
+                out.append((masks, slots, lease.depths if lease else None, store.pinned_blocks,
+                            sorted((b.key.hash, b.pins) for b in store.blocks.values())))
+            store.end_lease(store._group_lease[("c", 0)])
+            out.append((store.pinned_blocks, store.counters.disk_hits))
+            return out
+        finally:
+            arena.close()
+
+    native_answers = lookups()
+    monkeypatch.setattr(dkv_store, "pin_run", store_runs.pin_run_python)
+    monkeypatch.setattr(dkv_store, "unpin_all", store_runs.unpin_all_python)
+    assert lookups() == native_answers
+    assert any(native_answers[0][0][LEAF]) and not all(native_answers[0][0][LEAF])
+    assert (native_answers[-1][1] > 0) == staged  # promotions happened where blocks were staged
