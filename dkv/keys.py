@@ -51,13 +51,23 @@ def check_hash(block_hash: object) -> bytes:
     return raw
 
 
+def plain_hashes_python(values: object) -> bool:
+    """True when ``values`` is a list or tuple of exactly ``bytes``, each 8 or 32 long (the native check's twin)."""
+    return type(values) in (list, tuple) and all(type(h) is bytes and len(h) in HASH_LENGTHS for h in values)
+
+
+try:  # one C pass; every lookup, probe, touch, read and write checks its hashes on both sides
+    from dkv._hash_check import plain_hashes
+except ImportError:  # not built (no C compiler at install): the same answer in Python
+    plain_hashes = plain_hashes_python
+
+
 def check_hashes(block_hashes: Iterable[object]) -> list[bytes]:
     """Validate a run of hashes; every one must be 8 or 32 bytes (``ValueError`` otherwise)."""
     hashes = list(block_hashes)
-    for h in hashes:  # fast path: plain bytes of a valid length, kept as they are
-        if type(h) is not bytes or len(h) not in HASH_LENGTHS:
-            return [check_hash(x) for x in hashes]
-    return hashes  # type: ignore[return-value]
+    if plain_hashes(hashes):  # fast path: plain bytes of a valid length, kept as they are
+        return hashes  # type: ignore[return-value]
+    return [check_hash(x) for x in hashes]
 
 
 def check_leaf(leaf: object) -> str:

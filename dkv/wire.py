@@ -102,7 +102,7 @@ import msgpack
 
 from dkv.checksum import CHECKSUM_SIZE
 from dkv.errors import FrameTooLarge, ProtocolError
-from dkv.keys import HASH_LENGTHS, MAX_LEAF_ID_LENGTH, MAX_TP_SHARDS, check_namespace
+from dkv.keys import MAX_LEAF_ID_LENGTH, MAX_TP_SHARDS, check_namespace, plain_hashes
 
 PROTOCOL_VERSION = 4  # 3: bodies inline with their header (FLAG_INLINE), batched payload messages;
 # 4: a listener read's or write's payload messages as the node cut them ("groups")
@@ -217,9 +217,9 @@ def _int(lo: int, hi: int) -> Callable[[object], bool]:
 
 
 # The checks of per-key fields run on every lookup, read and write of up to MAX_KEYS keys: each is a
-# few C-speed passes (map, set, min, max) over the list, not a Python step per key. Types are compared
-# exactly (msgpack builds plain int, str, bytes and list), which also keeps bool out of the ints.
-_HASH_LENGTH_SET = frozenset(HASH_LENGTHS)
+# few C-speed passes (map, set, min, max; for hashes dkv.keys.plain_hashes, one native pass) over the
+# list, not a Python step per key. Types are compared exactly (msgpack builds plain int, str, bytes and
+# list), which also keeps bool out of the ints.
 
 
 def _all_of_type(values: Any, kind: type) -> bool:
@@ -230,17 +230,13 @@ def _ints_within(values: Any, lo: int, hi: int) -> bool:
     return not values or (_all_of_type(values, int) and lo <= min(values) and max(values) <= hi)
 
 
-def _hash_list(values: Any) -> bool:
-    return _all_of_type(values, bytes) and _HASH_LENGTH_SET.issuperset(map(len, values))
-
-
 def _leaf_list(values: Any) -> bool:
     return not values or (_all_of_type(values, str) and min(map(len, values)) > 0
                           and max(map(len, values)) <= MAX_LEAF_ID_LENGTH)
 
 
 def _hashes(v: object) -> bool:
-    return isinstance(v, list) and len(v) <= MAX_KEYS and _hash_list(v)
+    return isinstance(v, list) and len(v) <= MAX_KEYS and plain_hashes(v)
 
 
 def _leaves(v: object) -> bool:
@@ -255,7 +251,7 @@ def _keys(v: object) -> bool:
     if not _all_of_type(v, list) or set(map(len, v)) != {3}:
         return False
     leaves, shards, hashes = zip(*v)
-    return _leaf_list(leaves) and _ints_within(shards, 0, MAX_TP_SHARDS - 1) and _hash_list(hashes)
+    return _leaf_list(leaves) and _ints_within(shards, 0, MAX_TP_SHARDS - 1) and plain_hashes(hashes)
 
 
 def _sizes(v: object) -> bool:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 
 from dkv.errors import ConfigError
-from dkv.keys import BlockKey, block_keys, check_hash, check_namespace, derive_namespace
+from dkv import keys as dkv_keys
+from dkv.keys import (
+    HASH_LENGTHS, BlockKey, block_keys, check_hash, check_hashes, check_namespace, derive_namespace, plain_hashes_python,
+)
 from dkv.units import format_size, parse_address, parse_size
 
 
@@ -13,6 +16,41 @@ from dkv.units import format_size, parse_address, parse_size
 def test_hash_of_wrong_length_is_a_value_error(length: int) -> None:
     with pytest.raises(ValueError, match="8 bytes"):
         check_hash(b"x" * length)
+
+
+def test_the_native_hash_check_is_built() -> None:
+    assert dkv_keys.plain_hashes is not plain_hashes_python, (
+        "dkv._hash_check was not built: install a C compiler, then `pip install -e .` again (scripts/run.sh does both)")
+
+
+class _Bytes(bytes):
+    pass
+
+
+_FOREIGN = [bytearray(8), memoryview(bytes(8)), _Bytes(8), "x" * 8, None, 8, [bytes(8)]]
+
+
+@pytest.mark.parametrize("twin", ["native", "python"])
+def test_the_hash_list_check_takes_only_plain_bytes_of_a_valid_length(twin: str) -> None:
+    check = dkv_keys.plain_hashes if twin == "native" else plain_hashes_python
+    for length in range(65):
+        for kind in (list, tuple):
+            assert check(kind([bytes(32), b"h" * length])) is (length in HASH_LENGTHS)
+    assert check([]) is True and check(()) is True
+    for item in _FOREIGN:
+        assert check([bytes(8), item]) is False and check((item,)) is False
+    for values in (b"x" * 32, "x" * 8, {b"x" * 8: 1}, iter([b"x" * 8]), None, 8, [bytes(8)] * 3 + [bytes(31)]):
+        assert check(values) is False
+
+
+def test_check_hashes_copies_a_valid_run_and_names_the_first_bad_one() -> None:
+    run = [bytes(8), bytes(32)]
+    checked = check_hashes(run)
+    assert checked == run and checked is not run
+    assert check_hashes(iter(run)) == run and check_hashes(tuple(run)) == run
+    assert check_hashes([bytearray(b"x" * 8)]) == [b"x" * 8]  # a bytes-like hash is taken as bytes
+    with pytest.raises(ValueError, match="got 9"):
+        check_hashes([bytes(8), bytes(9)])
 
 
 def test_block_keys_are_the_named_keys_of_one_leaf_and_shard_in_order() -> None:
