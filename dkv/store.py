@@ -595,9 +595,7 @@ class Store:
                     block = blocks[(namespace, leaf, 0, hashes[at])]  # type: ignore[index]
                     present = self._promote(block, promoted)
                     if present:
-                        if block.pins == 0:
-                            tally[0] += 1
-                        block.pins += 1
+                        self._pin(block)
                         held.append(block)
                         depths.append(at)
                     mask.append(present)
