@@ -221,10 +221,14 @@ done:
         Py_ssize_t unused = reserved - (i - start);
         PyObject *exc_type, *exc_value, *exc_tb;
         PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
-        if (at_offsets) PyByteArray_Resize(offsets, PyByteArray_GET_SIZE(offsets) - 8 * unused);
-        if (at_sizes) PyByteArray_Resize(sizes, PyByteArray_GET_SIZE(sizes) - 8 * unused);
-        if (at_sums) PyByteArray_Resize(sums, PyByteArray_GET_SIZE(sums) - CHECKSUM_SIZE * unused);
-        PyErr_Restore(exc_type, exc_value, exc_tb);
+        int shrunk = (!at_offsets || PyByteArray_Resize(offsets, PyByteArray_GET_SIZE(offsets) - 8 * unused) == 0) &&
+                     (!at_sizes || PyByteArray_Resize(sizes, PyByteArray_GET_SIZE(sizes) - 8 * unused) == 0) &&
+                     (!at_sums || PyByteArray_Resize(sums, PyByteArray_GET_SIZE(sums) - CHECKSUM_SIZE * unused) == 0);
+        if (exc_type != NULL) {
+            PyErr_Restore(exc_type, exc_value, exc_tb); /* the first error is the one to raise */
+        } else if (!shrunk) {
+            Py_CLEAR(result); /* a buffer someone holds a view of cannot shrink: its error is raised */
+        }
     }
     if (newly) { /* kept true whether or not this raised */
         PyObject *exc_type, *exc_value, *exc_tb;

@@ -138,6 +138,19 @@ def test_malformed_arguments_are_refused_before_anything_is_pinned(args: tuple) 
 
 
 @native
+def test_a_slot_buffer_that_cannot_grow_is_an_error_before_anything_is_pinned() -> None:
+    blocks = _blocks([(0, 10, 0, True)])
+    offsets = bytearray()
+    view = memoryview(offsets)  # someone holds a view of it: it cannot be resized
+    held: list[Block] = []
+    tally = [0]
+    with pytest.raises(BufferError):
+        store_runs.pin_run(blocks, NS, LEAF, [_hash(0)], 0, [], held, [], tally, offsets, bytearray(), bytearray())
+    view.release()
+    assert held == [] and tally == [0] and next(iter(blocks.values())).pins == 0
+
+
+@native
 def test_unpin_all_checks_every_entry_before_it_changes_any() -> None:
     blocks = list(_blocks([(0, 10, 2, True), (4096, 10, 0, True)]).values())
     with pytest.raises(ValueError):
