@@ -21,6 +21,25 @@
  *   ``offsets``/``sizes`` (bytearrays) get one native int64 each per hash seen, ``sums`` (a bytearray)
  *   16 bytes; all three None: no slot map.
  *
+ * pin_run_shards(blocks, namespace, leaf, hashes, shards, start, mask, pinned, tally) -> int
+ *
+ *   The same run for a lookup over ``shards`` > 1 tensor-parallel shards, where a hash is present only
+ *   when every shard's block is: for i = start, ...: the blocks of (namespace, leaf, s, hashes[i]) for
+ *   s < shards.
+ *     one absent       mask gets False, nothing pinned for the hash;
+ *     one off the host (and not yet in ``pinned``) the run stops and returns i, nothing done for it;
+ *     else             each block whose key is not yet in ``pinned`` gets one more pin, and every key is
+ *                      set in ``pinned`` to i (a key is pinned once per lookup, at its last depth; the
+ *                      dict keeps first-pin order); mask gets True.
+ *   ``tally`` as for pin_run. Every block pinned before an error has its key in ``pinned``.
+ *
+ * slot_map(blocks, covered, namespace, leaf, hashes, shards, offsets, sizes, sums)
+ *
+ *   A lease's packed slot map over hashes x shards (hash-major), appended to the three bytearrays: for
+ *   each key (namespace, leaf, s, hash) that ``covered`` (a dict or set of keys) holds, its block's
+ *   (offset, size, checksum), else, or where the block has no checksum or lies off the host tier,
+ *   (-1, 0, 16 zero bytes). Nothing is pinned or changed.
+ *
  * unpin_all(held) -> int
  *
  *   One pin less on each block of the list ``held`` (a block listed twice loses two); returns how many
@@ -111,6 +130,25 @@ static char *grow(PyObject *buf, Py_ssize_t more) {
         return NULL;
     }
     return PyByteArray_AS_STRING(buf) + had;
+}
+
+/* ``tally[0] += newly``, keeping an exception already set (the run's own error is the one raised);
+ * -1 (with its own error set) only where the addition itself fails. */
+static int add_to_tally(PyObject *tally, Py_ssize_t newly) {
+    PyObject *exc_type, *exc_value, *exc_tb;
+    PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
+    PyObject *count = PyLong_FromSsize_t(newly);
+    PyObject *now = count ? PyNumber_Add(PyList_GET_ITEM(tally, 0), count) : NULL;
+    Py_XDECREF(count);
+    if (now == NULL) {
+        Py_XDECREF(exc_type);
+        Py_XDECREF(exc_value);
+        Py_XDECREF(exc_tb);
+        return -1;
+    }
+    PyList_SetItem(tally, 0, now); /* steals now */
+    PyErr_Restore(exc_type, exc_value, exc_tb);
+    return 0;
 }
 
 static PyObject *pin_run(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
@@ -230,24 +268,242 @@ done:
             Py_CLEAR(result); /* a buffer someone holds a view of cannot shrink: its error is raised */
         }
     }
-    if (newly) { /* kept true whether or not this raised */
-        PyObject *exc_type, *exc_value, *exc_tb;
-        PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
-        PyObject *was = PyList_GET_ITEM(tally, 0);
-        PyObject *count = PyLong_FromSsize_t(newly);
-        PyObject *now = count ? PyNumber_Add(was, count) : NULL;
-        Py_XDECREF(count);
-        if (now != NULL) {
-            PyList_SetItem(tally, 0, now); /* steals now */
-            PyErr_Restore(exc_type, exc_value, exc_tb);
-        } else {
-            Py_XDECREF(exc_type);
-            Py_XDECREF(exc_value);
-            Py_XDECREF(exc_tb);
-            Py_CLEAR(result);
-        }
+    if (newly && add_to_tally(tally, newly) < 0) { /* kept true whether or not this raised */
+        Py_CLEAR(result);
     }
     Py_XDECREF(key);
+    Py_DECREF(hashes);
+    return result;
+}
+
+#define MAX_SHARDS 64 /* dkv.keys.MAX_TP_SHARDS */
+
+static PyObject *pin_run_shards(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "pin_run_shards() takes 9 arguments");
+        return NULL;
+    }
+    PyObject *blocks = args[0], *namespace = args[1], *leaf = args[2], *hashes_obj = args[3];
+    PyObject *mask = args[6], *pinned = args[7], *tally = args[8];
+    if (!PyDict_Check(blocks) || !PyList_Check(mask) || !PyDict_Check(pinned) || !PyList_Check(tally) ||
+        PyList_GET_SIZE(tally) != 1 || !PyLong_Check(PyList_GET_ITEM(tally, 0))) {
+        PyErr_SetString(PyExc_TypeError, "pin_run_shards(dict, ns, leaf, hashes, shards, start, list, dict, [int])");
+        return NULL;
+    }
+    Py_ssize_t shards = PyLong_AsSsize_t(args[4]);
+    if (shards == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_ssize_t start = PyLong_AsSsize_t(args[5]);
+    if (start == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (shards < 1 || shards > MAX_SHARDS) {
+        PyErr_SetString(PyExc_ValueError, "shards out of range");
+        return NULL;
+    }
+    PyObject *hashes = PySequence_Fast(hashes_obj, "hashes must be a sequence");
+    if (hashes == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes), newly = 0, i = start, made = 0;
+    PyObject **items = PySequence_Fast_ITEMS(hashes);
+    PyObject *keys[MAX_SHARDS], *found[MAX_SHARDS], *shard_ids[MAX_SHARDS];
+    PyObject *result = NULL;
+    for (Py_ssize_t s = 0; s < shards; s++) {
+        keys[s] = NULL;
+        shard_ids[s] = PyLong_FromSsize_t(s);
+        if (shard_ids[s] == NULL) {
+            goto done;
+        }
+        made = s + 1;
+    }
+    if (start < 0 || start > n) {
+        PyErr_SetString(PyExc_ValueError, "start out of range");
+        goto done;
+    }
+    for (; i < n; i++) {
+        int absent = 0, off_host = 0;
+        for (Py_ssize_t s = 0; s < shards; s++) { /* every shard's block, before anything is pinned */
+            Py_XSETREF(keys[s], PyTuple_Pack(4, namespace, leaf, shard_ids[s], items[i]));
+            if (keys[s] == NULL) {
+                goto done;
+            }
+            found[s] = PyDict_GetItemWithError(blocks, keys[s]); /* borrowed */
+            if (found[s] == NULL) {
+                if (PyErr_Occurred()) {
+                    goto done;
+                }
+                absent = 1;
+                break;
+            }
+        }
+        for (Py_ssize_t s = 0; !absent && s < shards; s++) {
+            long long offset;
+            if (!is_block(found[s]) || field_int(found[s], at_offset, "offset", &offset) < 0) {
+                goto done;
+            }
+            if (offset < 0) {
+                int known = PyDict_Contains(pinned, keys[s]);
+                if (known < 0) {
+                    goto done;
+                }
+                off_host |= !known;
+            }
+        }
+        if (off_host) {
+            break; /* brought back (or not) by the caller */
+        }
+        if (absent) {
+            if (PyList_Append(mask, Py_False) < 0) {
+                goto done;
+            }
+            continue;
+        }
+        PyObject *depth = PyLong_FromSsize_t(i);
+        if (depth == NULL) {
+            goto done;
+        }
+        for (Py_ssize_t s = 0; s < shards; s++) {
+            int known = PyDict_Contains(pinned, keys[s]);
+            long long pins = 0;
+            PyObject *more = NULL;
+            if (known < 0 || (!known && (field_int(found[s], at_pins, "pins", &pins) < 0 ||
+                                         (more = PyLong_FromLongLong(pins + 1)) == NULL))) {
+                Py_DECREF(depth);
+                goto done;
+            }
+            if (PyDict_SetItem(pinned, keys[s], depth) < 0) { /* the key goes in before its pin */
+                Py_XDECREF(more);
+                Py_DECREF(depth);
+                goto done;
+            }
+            if (!known) {
+                Py_SETREF(FIELD(found[s], at_pins), more);
+                if (pins == 0) {
+                    newly++;
+                }
+            }
+        }
+        Py_DECREF(depth);
+        if (PyList_Append(mask, Py_True) < 0) {
+            goto done;
+        }
+    }
+    result = PyLong_FromSsize_t(i);
+done:
+    if (newly && add_to_tally(tally, newly) < 0) { /* kept true whether or not this raised */
+        Py_CLEAR(result);
+    }
+    for (Py_ssize_t s = 0; s < made; s++) {
+        Py_XDECREF(keys[s]);
+        Py_DECREF(shard_ids[s]);
+    }
+    Py_DECREF(hashes);
+    return result;
+}
+
+static PyObject *slot_map(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "slot_map() takes 9 arguments");
+        return NULL;
+    }
+    PyObject *blocks = args[0], *covered = args[1], *namespace = args[2], *leaf = args[3], *hashes_obj = args[4];
+    PyObject *offsets = args[6], *sizes = args[7], *sums = args[8];
+    if (!PyDict_Check(blocks) || !(PyDict_Check(covered) || PyAnySet_Check(covered)) ||
+        !PyByteArray_Check(offsets) || !PyByteArray_Check(sizes) || !PyByteArray_Check(sums)) {
+        PyErr_SetString(PyExc_TypeError, "slot_map(dict, dict or set, ns, leaf, hashes, shards, 3 bytearrays)");
+        return NULL;
+    }
+    Py_ssize_t shards = PyLong_AsSsize_t(args[5]);
+    if (shards == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (shards < 1 || shards > MAX_SHARDS) {
+        PyErr_SetString(PyExc_ValueError, "shards out of range");
+        return NULL;
+    }
+    PyObject *hashes = PySequence_Fast(hashes_obj, "hashes must be a sequence");
+    if (hashes == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes), entries = n * shards, made = 0;
+    PyObject **items = PySequence_Fast_ITEMS(hashes);
+    PyObject *shard_ids[MAX_SHARDS];
+    PyObject *result = NULL;
+    char *at_offsets, *at_sizes, *at_sums;
+    for (Py_ssize_t s = 0; s < shards; s++) {
+        if ((shard_ids[s] = PyLong_FromSsize_t(s)) == NULL) {
+            goto done;
+        }
+        made = s + 1;
+    }
+    /* the entries are staged and appended only once all are known: an error while reading the blocks
+     * leaves the buffers as they were */
+    char *staged = PyMem_Malloc(entries ? entries * (16 + CHECKSUM_SIZE) : 1);
+    if (staged == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0, j = 0; i < n; i++) {
+        for (Py_ssize_t s = 0; s < shards; s++, j++) {
+            long long offset = -1, size = 0;
+            const unsigned char *sum = no_sum;
+            PyObject *key = PyTuple_Pack(4, namespace, leaf, shard_ids[s], items[i]);
+            if (key == NULL) {
+                PyMem_Free(staged);
+                goto done;
+            }
+            int held = PySequence_Contains(covered, key);
+            PyObject *block = held > 0 ? PyDict_GetItemWithError(blocks, key) : NULL; /* borrowed */
+            Py_DECREF(key);
+            if (held < 0 || (block == NULL && PyErr_Occurred())) {
+                PyMem_Free(staged);
+                goto done;
+            }
+            if (block != NULL) {
+                if (!is_block(block) || field_int(block, at_offset, "offset", &offset) < 0) {
+                    PyMem_Free(staged);
+                    goto done;
+                }
+                PyObject *checksum = FIELD(block, at_checksum);
+                if (checksum == NULL || (checksum != Py_None && !(PyBytes_Check(checksum) &&
+                                                                  PyBytes_GET_SIZE(checksum) == CHECKSUM_SIZE))) {
+                    PyErr_SetString(PyExc_TypeError, "a block's checksum is neither None nor 16 bytes");
+                    PyMem_Free(staged);
+                    goto done;
+                }
+                if (checksum == Py_None || offset < 0) {
+                    offset = -1;
+                } else {
+                    sum = (const unsigned char *)PyBytes_AS_STRING(checksum);
+                    if (field_int(block, at_size, "size", &size) < 0) {
+                        PyMem_Free(staged);
+                        goto done;
+                    }
+                }
+            }
+            int64_t o = (int64_t)offset, z = (int64_t)(offset < 0 ? 0 : size);
+            memcpy(staged + 8 * j, &o, 8);
+            memcpy(staged + 8 * (entries + j), &z, 8);
+            memcpy(staged + 16 * entries + CHECKSUM_SIZE * j, sum, CHECKSUM_SIZE);
+        }
+    }
+    if ((at_offsets = grow(offsets, 8 * entries)) != NULL) {
+        memcpy(at_offsets, staged, 8 * entries);
+        if ((at_sizes = grow(sizes, 8 * entries)) != NULL) {
+            memcpy(at_sizes, staged + 8 * entries, 8 * entries);
+            if ((at_sums = grow(sums, CHECKSUM_SIZE * entries)) != NULL) {
+                memcpy(at_sums, staged + 16 * entries, CHECKSUM_SIZE * entries);
+                result = Py_NewRef(Py_None);
+            }
+        }
+    }
+    PyMem_Free(staged);
+done:
+    for (Py_ssize_t s = 0; s < made; s++) {
+        Py_DECREF(shard_ids[s]);
+    }
     Py_DECREF(hashes);
     return result;
 }
@@ -288,6 +544,10 @@ static PyMethodDef methods[] = {
     {"bind", bind, METH_O, "Learn where a block type's fields lie (call once, before the others)."},
     {"pin_run", (PyCFunction)(void (*)(void))pin_run, METH_FASTCALL,
      "Pin the host-tier blocks of a run of hashes, stopping at the first off the host tier."},
+    {"pin_run_shards", (PyCFunction)(void (*)(void))pin_run_shards, METH_FASTCALL,
+     "pin_run over several tensor-parallel shards: a hash is present when every shard's block is."},
+    {"slot_map", (PyCFunction)(void (*)(void))slot_map, METH_FASTCALL,
+     "A lease's packed slot map over hashes x shards, appended to three bytearrays."},
     {"unpin_all", unpin_all, METH_O, "One pin less on each block of a list; how many reached 0."},
     {NULL, NULL, 0, NULL},
 };

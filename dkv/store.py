@@ -73,7 +73,7 @@ from dkv.disk_tier import MISSING, DiskEntry, DiskTier, fault_of
 from dkv.credentials import Quotas
 from dkv.errors import LeaseExpired, NodeBusy, WriteRejected
 from dkv.spill import DEFAULT_STAGING_BYTES, SpillJob, Staging
-from dkv.store_runs import NO_SUM, bind, pin_run, unpin_all
+from dkv.store_runs import NO_SUM, bind, pin_run, pin_run_shards, slot_map, unpin_all
 
 log = logging.getLogger(__name__)
 
@@ -555,34 +555,41 @@ class Store:
 
         Each pinned block goes into ``held`` (its depth into ``depths``) as it
         is pinned, so a caller can give the pins back if this raises midway.
-        With one shard (the lookup's hot path) the work per key is
-        :func:`dkv.store_runs.pin_run`, native where built: runs of host-tier
-        blocks, each spilled block promoted here between runs (one that cannot
-        be brought back is reported absent; a promotion can evict blocks not
-        yet pinned, so the next run fetches the rest afresh). ``slots`` (when
-        given) then gets each leaf's packed slot map from the same pass (see
-        :meth:`lease_slots`).
+        The work per key is :func:`dkv.store_runs.pin_run` (one shard) or
+        :func:`~dkv.store_runs.pin_run_shards` (several), native where built:
+        runs of hashes on the host tier, each hash with a spilled block handled
+        here between runs (promoted; one that cannot be brought back is
+        reported absent; a promotion can evict blocks not yet pinned, so the
+        next run fetches the rest afresh). With one shard, ``slots`` (when
+        given) then gets each leaf's packed slot map from the same pass; with
+        several, :meth:`lookup` asks :meth:`lease_slots` for it.
         """
         blocks, masks = self.blocks, {}
+        tally = [0]  # blocks whose pins went from 0 to 1, kept true by the runs even when they raise
         if shards != 1:
             pinned: dict[StoreKey, int] = {}
+            count = len(hashes)
             try:
                 for leaf in leaves:
                     mask: list[bool] = []
-                    for depth, h in enumerate(hashes):
-                        keys = [StoreKey(namespace, leaf, s, h) for s in range(shards)]
-                        if all(k in blocks for k in keys) and all(self._pin_on_host(k, pinned, promoted) for k in keys):
+                    at = 0
+                    while at < count:  # runs of hashes on the host tier; one with a shard off it is handled here
+                        at = pin_run_shards(blocks, namespace, leaf, hashes, shards, at, mask, pinned, tally)
+                        if at == count:
+                            break
+                        keys = [StoreKey(namespace, leaf, s, hashes[at]) for s in range(shards)]
+                        present = all(self._pin_on_host(k, pinned, promoted) for k in keys)
+                        if present:
                             for k in keys:
-                                pinned[k] = depth
-                            mask.append(True)
-                        else:
-                            mask.append(False)
+                                pinned[k] = at
+                        mask.append(present)
+                        at += 1
                     masks[leaf] = mask
             finally:  # each pinned once, at its last depth
+                self.pinned_blocks += tally[0]
                 held.extend(blocks[k] for k in pinned)
                 depths.extend(pinned.values())
             return masks
-        tally = [0]  # blocks whose pins went from 0 to 1, kept true by pin_run even when it raises
         try:
             for leaf in leaves:
                 mask: list[bool] = []
@@ -746,16 +753,9 @@ class Store:
         covered, blocks = lease.keys, self.blocks
         slots = {}
         for leaf in leaves:
-            offsets, sizes, sums = [], [], []
-            for h in hashes:
-                for s in range(shards):
-                    key = (namespace, leaf, s, h)
-                    block = blocks.get(key) if key in covered else None  # type: ignore[call-overload]
-                    offset, size, checksum = _slot_of(block)
-                    offsets.append(offset)
-                    sizes.append(size)
-                    sums.append(checksum)
-            slots[leaf] = (array("q", offsets).tobytes(), array("q", sizes).tobytes(), b"".join(sums))
+            packed = (bytearray(), bytearray(), bytearray())
+            slot_map(blocks, covered, namespace, leaf, hashes, shards, *packed)
+            slots[leaf] = (bytes(packed[0]), bytes(packed[1]), bytes(packed[2]))
         return slots
 
     def end_used_lease(self, lease_id: int, owner: str, uses: list[Use] | None = None) -> bool:

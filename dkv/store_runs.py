@@ -22,6 +22,20 @@ lease's pins back. Contract, for both builds:
 * ``offsets`` and ``sizes`` are bytearrays that get one native ``int64`` per
   hash seen (as ``array("q")`` packs them), ``sums`` 16 bytes per hash; all
   three ``None`` for no slot map.
+* ``pin_run_shards(blocks, namespace, leaf, hashes, shards, start, mask,
+  pinned, tally) -> stop``: the same run over ``shards`` > 1 tensor-parallel
+  shards, where a hash is present only when every shard's block is. One shard
+  absent: ``mask`` gets False, nothing pinned. One off the host tier and not
+  yet in ``pinned``: the run stops there. Else each block whose key is not yet
+  in ``pinned`` gets one more pin, every key is set in ``pinned`` to the hash's
+  index (a key is pinned once per lookup, at its last depth, in first-pin
+  order), and ``mask`` gets True. ``tally`` as above; every block pinned
+  before an error has its key in ``pinned``.
+* ``slot_map(blocks, covered, namespace, leaf, hashes, shards, offsets, sizes,
+  sums)``: a lease's packed slot map over ``hashes`` x ``shards`` (hash-major),
+  appended to the three bytearrays: for each key that ``covered`` holds, its
+  block's ``(offset, size, checksum)``, else, or where the block has no
+  checksum or lies off the host tier, ``(-1, 0, zeros)``. Nothing changes.
 * ``unpin_all(held) -> int``: one pin less on each block listed (twice listed:
   two less); how many reached 0.
 
@@ -91,6 +105,58 @@ def pin_run_python(blocks: dict, namespace: str, leaf: str, hashes: Sequence[byt
     return stop
 
 
+def pin_run_shards_python(blocks: dict, namespace: str, leaf: str, hashes: Sequence[bytes], shards: int,
+                          start: int, mask: list[bool], pinned: dict, tally: list[int]) -> int:
+    """The Python twin of the native ``pin_run_shards`` (see the module's contract)."""
+    get, newly, stop = blocks.get, 0, len(hashes)
+    try:
+        for i in range(start, len(hashes)):
+            h = hashes[i]
+            keys = [(namespace, leaf, s, h) for s in range(shards)]
+            found = [get(k) for k in keys]
+            if None in found:
+                mask.append(False)
+                continue
+            if any(block.offset < 0 and key not in pinned for key, block in zip(keys, found)):
+                stop = i
+                break
+            for key, block in zip(keys, found):
+                if key not in pinned:
+                    pinned[key] = i
+                    if block.pins == 0:
+                        newly += 1
+                    block.pins += 1
+                else:
+                    pinned[key] = i
+            mask.append(True)
+    finally:
+        tally[0] += newly
+    return stop
+
+
+def slot_map_python(blocks: dict, covered: Any, namespace: str, leaf: str, hashes: Sequence[bytes], shards: int,
+                    offsets: bytearray, sizes: bytearray, sums: bytearray) -> None:
+    """The Python twin of the native ``slot_map``."""
+    offs: list[int] = []
+    lens: list[int] = []
+    digests: list[bytes] = []
+    for h in hashes:
+        for s in range(shards):
+            key = (namespace, leaf, s, h)
+            block = blocks.get(key) if key in covered else None
+            if block is None or block.checksum is None or block.offset < 0:
+                offs.append(-1)
+                lens.append(0)
+                digests.append(NO_SUM)
+            else:
+                offs.append(block.offset)
+                lens.append(block.size)
+                digests.append(block.checksum)
+    offsets += array("q", offs)
+    sizes += array("q", lens)
+    sums += b"".join(digests)
+
+
 def unpin_all_python(held: list) -> int:
     """The Python twin of the native ``unpin_all``."""
     reached = 0
@@ -110,6 +176,8 @@ if os.environ.get("DKV_NATIVE_INDEX", "1") != "0":
 
 NATIVE = _native is not None
 pin_run: PinRun = _native.pin_run if NATIVE else pin_run_python
+pin_run_shards: Callable[..., int] = _native.pin_run_shards if NATIVE else pin_run_shards_python
+slot_map: Callable[..., None] = _native.slot_map if NATIVE else slot_map_python
 unpin_all: Callable[[list], int] = _native.unpin_all if NATIVE else unpin_all_python
 
 

@@ -90,6 +90,72 @@ def test_both_twins_pin_map_and_stop_alike_over_any_store(specs: list, picks: li
         assert all(o == -1 or o >= 0 for o in array("q", offsets[1:]))
 
 
+def _shard_blocks(specs: list[list[tuple[int, int, bool] | None]]) -> dict[Any, Block]:
+    """Per hash ``_hash(i)``, per shard: ``(offset, pins, has_checksum)``, or None where that shard is absent."""
+    out = {}
+    for i, shard_specs in enumerate(specs):
+        for s, spec in enumerate(shard_specs):
+            if spec is not None:
+                offset, pins, summed = spec
+                key = StoreKey(NS, LEAF, s, _hash(i))
+                out[key] = Block(key, 100 + s, offset, pins=pins, checksum=bytes([i % 251, s]) * 8 if summed else None)
+    return out
+
+
+shard_specs = st.integers(2, 4).flatmap(lambda shards: st.tuples(st.just(shards), st.lists(
+    st.lists(st.one_of(st.none(), st.tuples(st.sampled_from([-1, 0, 4096, 8192, 65536]), st.integers(0, 2),
+                                            st.booleans())), min_size=shards, max_size=shards),
+    max_size=12)))
+
+
+@native
+@settings(max_examples=300, deadline=None)
+@given(spec=shard_specs, picks=st.lists(st.integers(0, 14), max_size=20),
+       start=st.one_of(st.just(0), st.integers(0, 20)), known=st.lists(st.integers(0, 60), max_size=4))
+def test_both_twins_of_the_shard_run_pin_and_stop_alike(spec: tuple, picks: list[int], start: int,
+                                                       known: list[int]) -> None:
+    shards, specs = spec
+    hashes = [_hash(i) for i in picks]
+    start = min(start, len(hashes))
+    outs = []
+    for run in (store_runs.pin_run_shards, store_runs.pin_run_shards_python):
+        blocks = _shard_blocks(specs)
+        order = list(blocks)
+        pinned = {order[k]: -1 for k in known if k < len(order)}  # keys an earlier run already pinned
+        mask: list[bool] = []
+        tally = [3]
+        stop = run(blocks, NS, LEAF, hashes, shards, start, mask, pinned, tally)
+        outs.append((stop, mask, [(order.index(k), d) for k, d in pinned.items()], tally,
+                     [b.pins for b in blocks.values()]))
+    assert outs[0] == outs[1]
+    stop, mask = outs[0][0], outs[0][1]
+    assert start <= stop <= len(hashes) and len(mask) == stop - start
+
+
+@native
+@settings(max_examples=200, deadline=None)
+@given(spec=shard_specs, picks=st.lists(st.integers(0, 14), max_size=20), cover=st.lists(st.booleans(), max_size=60))
+def test_both_twins_of_the_slot_map_write_the_same_packed_entries(spec: tuple, picks: list[int],
+                                                                  cover: list[bool]) -> None:
+    shards, specs = spec
+    blocks = _shard_blocks(specs)
+    covered = {k: 0 for k, c in zip(blocks, cover) if c}
+    hashes = [_hash(i) for i in picks]
+    outs = []
+    for run in (store_runs.slot_map, store_runs.slot_map_python):
+        packed = (bytearray(b"o"), bytearray(b"s"), bytearray(b"c"))
+        run(blocks, covered, NS, LEAF, hashes, shards, *packed)
+        outs.append([bytes(p) for p in packed])
+    assert outs[0] == outs[1]
+    offsets = array("q", outs[0][0][1:])
+    assert len(offsets) == len(hashes) * shards
+    for j, offset in enumerate(offsets):  # an entry only where the key is covered and copyable
+        key = (NS, LEAF, j % shards, hashes[j // shards])
+        block = blocks.get(key)  # type: ignore[call-overload]
+        copyable = key in covered and block is not None and block.checksum is not None and block.offset >= 0
+        assert offset == (block.offset if copyable else -1)
+
+
 @native
 def test_a_run_stops_at_a_block_off_the_host_and_leaves_it_alone() -> None:
     blocks = _blocks([(0, 10, 0, True), (-1, 10, 0, True), (8192, 10, 1, False)])
@@ -179,9 +245,10 @@ def test_bind_takes_only_a_type_whose_fields_are_writable_slots() -> None:
 
 
 @native
+@pytest.mark.parametrize("shards", [1, 2, 3])
 @pytest.mark.parametrize("staged", [False, True])
 def test_a_store_lookup_answers_alike_on_either_twin(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                                     staged: bool) -> None:
+                                                     staged: bool, shards: int) -> None:
     """Whole leased lookups (promotions from staging among them) give the same masks, pins and slot maps."""
     runs = iter(range(2))
 
@@ -190,17 +257,20 @@ def test_a_store_lookup_answers_alike_on_either_twin(monkeypatch: pytest.MonkeyP
         try:  # with a disk tier, evicted blocks wait in staging, and a lookup promotes them between runs
             disk = DiskTier(str(tmp_path / f"disk{next(runs)}"), 32 * 4096) if staged else None
             store = Store(arena, disk)
-            keys = [StoreKey(NS, LEAF, 0, _hash(i)) for i in range(12)]  # more than the pool: some are evicted
+            # more than the pool holds (some are evicted); with shards, hash 5 lacks its last shard
+            keys = [StoreKey(NS, LEAF, s, _hash(i)) for i in range(12 // shards) for s in range(shards)
+                    if not (shards > 1 and i == 5 and s == shards - 1)]
             for i, key in enumerate(keys):
                 res, _ = store.reserve("w", [key], [4096], [bytes([i]) * 16])
                 store.commit(res.write_id, "w")
-            asked = [k.hash for k in keys] + [_hash(99), keys[3].hash]
+            hashes = list(dict.fromkeys(k.hash for k in keys))
+            asked = hashes + [_hash(99), hashes[3]]
             out = []
             for group in range(2):
                 slots: dict = {}
-                masks, lease = store.lookup(NS, asked, [LEAF], 1, owner="c", group=group, slots=slots)
+                masks, lease = store.lookup(NS, asked, [LEAF], shards, owner="c", group=group, slots=slots)
                 out.append((masks, slots, lease.depths if lease else None, store.pinned_blocks,
-                            sorted((b.key.hash, b.pins) for b in store.blocks.values())))
+                            sorted((b.key.hash, b.key.shard, b.pins) for b in store.blocks.values())))
             store.end_lease(store._group_lease[("c", 0)])
             out.append((store.pinned_blocks, store.counters.disk_hits))
             return out
@@ -208,8 +278,8 @@ def test_a_store_lookup_answers_alike_on_either_twin(monkeypatch: pytest.MonkeyP
             arena.close()
 
     native_answers = lookups()
-    monkeypatch.setattr(dkv_store, "pin_run", store_runs.pin_run_python)
-    monkeypatch.setattr(dkv_store, "unpin_all", store_runs.unpin_all_python)
+    for name in ("pin_run", "pin_run_shards", "slot_map", "unpin_all"):
+        monkeypatch.setattr(dkv_store, name, getattr(store_runs, f"{name}_python"))
     assert lookups() == native_answers
     assert any(native_answers[0][0][LEAF]) and not all(native_answers[0][0][LEAF])
     assert (native_answers[-1][1] > 0) == staged  # promotions happened where blocks were staged
