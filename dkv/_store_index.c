@@ -278,6 +278,19 @@ done:
 
 #define MAX_SHARDS 64 /* dkv.keys.MAX_TP_SHARDS */
 
+/* A shard count in [1, MAX_SHARDS]; -1 with an exception set otherwise. */
+static int shards_arg(PyObject *obj, Py_ssize_t *shards) {
+    *shards = PyLong_AsSsize_t(obj);
+    if (*shards == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (*shards < 1 || *shards > MAX_SHARDS) {
+        PyErr_SetString(PyExc_ValueError, "shards out of range");
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *pin_run_shards(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 9) {
         PyErr_SetString(PyExc_TypeError, "pin_run_shards() takes 9 arguments");
@@ -290,16 +303,8 @@ static PyObject *pin_run_shards(PyObject *Py_UNUSED(self), PyObject *const *args
         PyErr_SetString(PyExc_TypeError, "pin_run_shards(dict, ns, leaf, hashes, shards, start, list, dict, [int])");
         return NULL;
     }
-    Py_ssize_t shards = PyLong_AsSsize_t(args[4]);
-    if (shards == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    Py_ssize_t start = PyLong_AsSsize_t(args[5]);
-    if (start == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    if (shards < 1 || shards > MAX_SHARDS) {
-        PyErr_SetString(PyExc_ValueError, "shards out of range");
+    Py_ssize_t shards, start = PyLong_AsSsize_t(args[5]);
+    if ((start == -1 && PyErr_Occurred()) || shards_arg(args[4], &shards) < 0) {
         return NULL;
     }
     PyObject *hashes = PySequence_Fast(hashes_obj, "hashes must be a sequence");
@@ -415,12 +420,8 @@ static PyObject *slot_map(PyObject *Py_UNUSED(self), PyObject *const *args, Py_s
         PyErr_SetString(PyExc_TypeError, "slot_map(dict, dict or set, ns, leaf, hashes, shards, 3 bytearrays)");
         return NULL;
     }
-    Py_ssize_t shards = PyLong_AsSsize_t(args[5]);
-    if (shards == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    if (shards < 1 || shards > MAX_SHARDS) {
-        PyErr_SetString(PyExc_ValueError, "shards out of range");
+    Py_ssize_t shards;
+    if (shards_arg(args[5], &shards) < 0) {
         return NULL;
     }
     PyObject *hashes = PySequence_Fast(hashes_obj, "hashes must be a sequence");

@@ -73,7 +73,7 @@ from dkv.disk_tier import MISSING, DiskEntry, DiskTier, fault_of
 from dkv.credentials import Quotas
 from dkv.errors import LeaseExpired, NodeBusy, WriteRejected
 from dkv.spill import DEFAULT_STAGING_BYTES, SpillJob, Staging
-from dkv.store_runs import NO_SUM, bind, pin_run, pin_run_shards, slot_map, unpin_all
+from dkv.store_runs import bind, pin_run, pin_run_shards, slot_entry, slot_map, unpin_all
 
 log = logging.getLogger(__name__)
 
@@ -269,11 +269,6 @@ _INT64 = struct.Struct("q")  # one entry of a packed slot map's offsets or sizes
 SlotMap = tuple[bytes, bytes, bytes]  # per leaf: offsets and sizes (native int64 each), checksums (16 bytes each)
 
 
-def _slot_of(block: Block | None) -> tuple[int, int, bytes]:
-    """A block's entry in a slot map: ``(-1, 0, zeros)`` where it cannot be copied the one-round-trip way."""
-    if block is None or block.checksum is None or block.offset < 0:
-        return -1, 0, NO_SUM
-    return block.offset, block.size, block.checksum
 _NOTHING_HELD = (0, 0)  # a connection without reservations: (bytes, keys)
 
 WRITE = "write"  # reserved for this writer: send the bytes
@@ -607,7 +602,7 @@ class Store:
                         depths.append(at)
                     mask.append(present)
                     if slots is not None:
-                        offset, size, checksum = _slot_of(block if present else None)
+                        offset, size, checksum = slot_entry(block if present else None)
                         packed[0].extend(_INT64.pack(offset))  # type: ignore[union-attr]
                         packed[1].extend(_INT64.pack(size))  # type: ignore[union-attr]
                         packed[2].extend(checksum)  # type: ignore[union-attr]

@@ -59,6 +59,20 @@ PinRun = Callable[[dict, str, str, Sequence[bytes], int, list, list, list, list,
                    bytearray | None, bytearray | None, bytearray | None], int]
 
 
+def slot_entry(block: Any) -> tuple[int, int, bytes]:
+    """A block's slot-map entry: ``(-1, 0, zeros)`` where it cannot be copied the one-round-trip way."""
+    if block is None or block.checksum is None or block.offset < 0:
+        return -1, 0, NO_SUM
+    return block.offset, block.size, block.checksum
+
+
+def _append_packed(packed: tuple[bytearray, bytearray, bytearray], offs: list[int], lens: list[int],
+                   digests: list[bytes]) -> None:
+    packed[0].extend(array("q", offs))
+    packed[1].extend(array("q", lens))
+    packed[2].extend(b"".join(digests))
+
+
 def pin_run_python(blocks: dict, namespace: str, leaf: str, hashes: Sequence[bytes], start: int, mask: list[bool],
                    held: list, depths: list[int], tally: list[int], offsets: bytearray | None,
                    sizes: bytearray | None, sums: bytearray | None) -> int:
@@ -86,22 +100,15 @@ def pin_run_python(blocks: dict, namespace: str, leaf: str, hashes: Sequence[byt
             if block.pins == 0:
                 newly += 1
             block.pins += 1
-            checksum = block.checksum
-            if checksum is None:
-                offs.append(-1)
-                lens.append(0)
-                digests.append(NO_SUM)
-            else:
-                offs.append(block.offset)
-                lens.append(block.size)
-                digests.append(checksum)
+            offset, size, checksum = slot_entry(block)
+            offs.append(offset)
+            lens.append(size)
+            digests.append(checksum)
     finally:
         tally[0] += newly
     if offsets is not None:
         assert sizes is not None and sums is not None
-        offsets += array("q", offs)
-        sizes += array("q", lens)
-        sums += b"".join(digests)
+        _append_packed((offsets, sizes, sums), offs, lens, digests)
     return stop
 
 
@@ -143,18 +150,11 @@ def slot_map_python(blocks: dict, covered: Any, namespace: str, leaf: str, hashe
     for h in hashes:
         for s in range(shards):
             key = (namespace, leaf, s, h)
-            block = blocks.get(key) if key in covered else None
-            if block is None or block.checksum is None or block.offset < 0:
-                offs.append(-1)
-                lens.append(0)
-                digests.append(NO_SUM)
-            else:
-                offs.append(block.offset)
-                lens.append(block.size)
-                digests.append(block.checksum)
-    offsets += array("q", offs)
-    sizes += array("q", lens)
-    sums += b"".join(digests)
+            offset, size, checksum = slot_entry(blocks.get(key) if key in covered else None)
+            offs.append(offset)
+            lens.append(size)
+            digests.append(checksum)
+    _append_packed((offsets, sizes, sums), offs, lens, digests)
 
 
 def unpin_all_python(held: list) -> int:
