@@ -100,10 +100,10 @@ def pin_run_python(blocks: dict, namespace: str, leaf: str, hashes: Sequence[byt
             if block.pins == 0:
                 newly += 1
             block.pins += 1
-            offset, size, checksum = slot_entry(block)
-            offs.append(offset)
-            lens.append(size)
-            digests.append(checksum)
+            checksum = block.checksum  # inline (the hot loop): slot_entry of a block on the host tier
+            offs.append(block.offset if checksum is not None else -1)
+            lens.append(block.size if checksum is not None else 0)
+            digests.append(checksum if checksum is not None else NO_SUM)
     finally:
         tally[0] += newly
     if offsets is not None:
