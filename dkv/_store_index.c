@@ -132,6 +132,11 @@ static char *grow(PyObject *buf, Py_ssize_t more) {
     return PyByteArray_AS_STRING(buf) + had;
 }
 
+/* A run's tally: a list holding one int. */
+static int is_tally(PyObject *tally) {
+    return PyList_Check(tally) && PyList_GET_SIZE(tally) == 1 && PyLong_Check(PyList_GET_ITEM(tally, 0));
+}
+
 /* ``tally[0] += newly``, keeping an exception already set (the run's own error is the one raised);
  * -1 (with its own error set) only where the addition itself fails. */
 static int add_to_tally(PyObject *tally, Py_ssize_t newly) {
@@ -160,7 +165,7 @@ static PyObject *pin_run(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ss
     PyObject *mask = args[5], *held = args[6], *depths = args[7], *tally = args[8];
     PyObject *offsets = args[9], *sizes = args[10], *sums = args[11];
     if (!PyDict_Check(blocks) || !PyList_Check(mask) || !PyList_Check(held) || !PyList_Check(depths) ||
-        !PyList_Check(tally) || PyList_GET_SIZE(tally) != 1 || !PyLong_Check(PyList_GET_ITEM(tally, 0))) {
+        !is_tally(tally)) {
         PyErr_SetString(PyExc_TypeError, "pin_run(dict, ns, leaf, hashes, start, list, list, list, [int], ...)");
         return NULL;
     }
@@ -298,8 +303,7 @@ static PyObject *pin_run_shards(PyObject *Py_UNUSED(self), PyObject *const *args
     }
     PyObject *blocks = args[0], *namespace = args[1], *leaf = args[2], *hashes_obj = args[3];
     PyObject *mask = args[6], *pinned = args[7], *tally = args[8];
-    if (!PyDict_Check(blocks) || !PyList_Check(mask) || !PyDict_Check(pinned) || !PyList_Check(tally) ||
-        PyList_GET_SIZE(tally) != 1 || !PyLong_Check(PyList_GET_ITEM(tally, 0))) {
+    if (!PyDict_Check(blocks) || !PyList_Check(mask) || !PyDict_Check(pinned) || !is_tally(tally)) {
         PyErr_SetString(PyExc_TypeError, "pin_run_shards(dict, ns, leaf, hashes, shards, start, list, dict, [int])");
         return NULL;
     }
