@@ -28,17 +28,20 @@ import contextlib
 import logging
 import os
 import secrets
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy as np
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
 from dkv.arena import SegmentMapping, align_up
 from dkv.checksum import CHECKSUM_SIZE, block_checksum, is_checksum
 from dkv.checksum import verify as checksum_matches
 from dkv.credentials import read_local_credential
+from dkv.direct_channel import ChannelBusy, ChannelClosed, DirectChannel
 from dkv.errors import (
     AuthError,
     ChecksumMismatch,
@@ -87,6 +90,7 @@ SMALL_FRAME = 256 * 1024  # a node whose frames are at least this large takes th
 MAX_REMEMBERED_LEASES = 4096  # slot maps kept for loads to come (a lease past these loads in two steps)
 LEASE_CLOCK_MARGIN = 0.5  # a same-host copy starts at least this long before the node's lease TTL runs out
 END_FLUSH_DELAY = 0.05  # a loaded lease no lookup ended by then is ended by an ``end`` request of its own
+DIRECT_RETRY_AFTER = 1.0  # seconds between attempts to open a direct channel (see NodeClient.open_direct)
 FRAME_SLACK = 64  # bytes kept free in every estimated frame (array/map headers that grow with a count)
 # A listener read checks each block as its message lands, and lets UCX progress after every this many
 # bytes checked, so that the node's later messages keep moving meanwhile (UCX answers its rendezvous).
@@ -126,7 +130,8 @@ class WriteResult:
 class _Session:
     """One handshaken connection, with the segment mapping it was handed (same-host path) if any."""
 
-    def __init__(self, conn: Connection | StreamConnection, info: NodeInfo, mapping: SegmentMapping | None = None,
+    def __init__(self, conn: Connection | StreamConnection | DirectChannel, info: NodeInfo,
+                 mapping: SegmentMapping | None = None,
                  take_ends: Callable[[], list[int]] | None = None) -> None:
         self.conn = conn
         self.info = info
@@ -233,9 +238,15 @@ class NodeClient:
         self._holds_transport = False  # counted as a user of UCX from the first connection until close
         self._busy = 0  # sessions checked out of the pool
         self._control: tuple[str, NodeInfo] | None = None  # the node's control socket, once met over UCX
+        # the lease book-keeping below and the set of sessions are shared with the thread that uses the
+        # direct channel (lookup_direct), so they change under this lock
+        self._lock = threading.Lock()
         self._group_leases: dict[int, int] = {}  # group -> its latest lease with a slot map
         self._lease_slots: dict[int, LeaseSlots] = {}  # same-host leases' slot maps, until their load (bounded)
         self._ends: list[int] = []  # leases loaded from on the same-host path, to end with the next request
+        self._direct: _Session | None = None  # the direct channel, once opened (see open_direct)
+        self._direct_opening: asyncio.Future[bool] | None = None
+        self._direct_tried_at = -DIRECT_RETRY_AFTER
         self._end_timer: asyncio.TimerHandle | None = None
         self._background: set[asyncio.Future[Any]] = set()  # owned: cancelled by close()
         self.fast_reads = 0  # reads served in one round trip (copied under the lookup's lease)
@@ -352,7 +363,8 @@ class NodeClient:
             pooled = session is not None
             if session is None:
                 session = await self._open_session()
-                self._sessions.add(session)
+                with self._lock:
+                    self._sessions.add(session)
             try:
                 result = await fn(session)
             except RemoteError:
@@ -391,10 +403,11 @@ class NodeClient:
 
     def _lost(self, session: _Session) -> None:
         """``session`` is closed; when it was this client's last, the node has ended the client's leases."""
-        if session in self._sessions:
-            self._sessions.discard(session)
-            if not self._sessions:
-                self.lease_generation += 1
+        with self._lock:
+            if session in self._sessions:
+                self._sessions.discard(session)
+                if not self._sessions:
+                    self.lease_generation += 1
 
     def leases_lost_since(self, generation: int) -> bool:
         """True when the node may have ended every lease this client took at ``generation``.
@@ -481,6 +494,11 @@ class NodeClient:
             raise ValueError(f"shards must be in [1, 64], got {shards}")
         return {"hashes": check_hashes(hashes), "leaves": [check_leaf(x) for x in leaves], "shards": shards}
 
+    def _fits_one_request(self, hashes: int, leaves: int, shards: int) -> bool:
+        """True when a presence request of this many hashes, leaves and shards surely fits the node's limits as one."""
+        return (leaves <= self.limit("max_leaves") and hashes * leaves * shards <= self.limit("max_cost")
+                and self._fits_without_estimate(hashes))
+
     def _fits_without_estimate(self, keys: int) -> bool:
         """True when ``keys`` keys surely fit one request of this node (few keys, frames of usual size)."""
         return keys <= min(SMALL_REQUEST_KEYS, self.limit("max_keys")) and self.limit("max_frame") >= SMALL_FRAME
@@ -500,8 +518,7 @@ class NodeClient:
         await self._known_limits()
         all_hashes, all_leaves = fields["hashes"], fields["leaves"]
         max_cost = self.limit("max_cost")
-        if (len(all_leaves) <= self.limit("max_leaves") and len(all_hashes) * len(all_leaves) * shards <= max_cost
-                and self._fits_without_estimate(len(all_hashes))):
+        if self._fits_one_request(len(all_hashes), len(all_leaves), shards):
             return [(range(len(all_hashes)), {"op": op, **fields, **extra})]  # far below any limit: no estimate
         if shards > max_cost:
             raise ValueError(f"{shards} shards exceed the node's max_cost ({max_cost}) for a single hash of one leaf")
@@ -547,18 +564,34 @@ class NodeClient:
 
     async def _leased_lookup(self, session: _Session, message: dict[str, Any]) -> LookupResult:
         """One leased lookup on ``session``; on the same-host path it also learns where the blocks lie."""
-        mapping = self._arena(session)
-        fast = mapping is not None and self.checksums  # copies are proven by their checksums: see dkv.lease_slots
-        message = {**message, "slots": True} if fast else message
-        previous = self._group_leases.pop(message["group"], None)
-        if previous is not None:  # this lookup ends the group's previous lease: its load must be refused
-            self._lease_slots.pop(previous, None)
+        message, mapping = self._leased_request(session, message)
         sent_at = time.monotonic()
         reply = await session.request(message, self.timeout)
+        return self._leased_answer(message, mapping, reply, sent_at)
+
+    def _leased_request(self, session: _Session, message: dict[str, Any]) -> tuple[dict[str, Any], SegmentMapping | None]:
+        """A leased lookup's request on ``session``, and the mapping its slot map will point into (if it asks for one).
+
+        The group's previous lease ends with this lookup on the node, so its
+        slot map is forgotten here: its load must be refused, not copied.
+        """
+        mapping = self._arena(session)
+        if mapping is None or not self.checksums:  # copies are proven by their checksums: see dkv.lease_slots
+            mapping = None
+        else:
+            message = {**message, "slots": True}
+        with self._lock:
+            previous = self._group_leases.pop(message["group"], None)
+            if previous is not None:
+                self._lease_slots.pop(previous, None)
+        return message, mapping
+
+    def _leased_answer(self, message: dict[str, Any], mapping: SegmentMapping | None, reply: dict[str, Any],
+                       sent_at: float) -> LookupResult:
+        """What a leased lookup's ``reply`` says; a slot map it carries is kept for the lease's load."""
         masks = _unpack_masks(reply["masks"], len(message["hashes"]))
         lease_id = reply.get("lease")
-        if fast and lease_id is not None and "slots" in reply:
-            assert mapping is not None
+        if mapping is not None and lease_id is not None and "slots" in reply:
             ttl = float(reply.get("ttl") or 0.0)
             slots = LeaseSlots(mapping, message["hashes"], message["shards"], reply["slots"],
                                live_until=sent_at + ttl - LEASE_CLOCK_MARGIN)
@@ -567,21 +600,144 @@ class NodeClient:
 
     def _remember_slots(self, lease_id: int, group: int, slots: LeaseSlots) -> None:
         """Keep a lease's slot map for its load (bounded: the oldest are forgotten, their loads take two steps)."""
-        self._lease_slots[lease_id] = slots
-        self._group_leases[group] = lease_id
-        while len(self._lease_slots) > MAX_REMEMBERED_LEASES:
-            self._lease_slots.pop(next(iter(self._lease_slots)))
-        while len(self._group_leases) > MAX_REMEMBERED_LEASES:
-            self._group_leases.pop(next(iter(self._group_leases)))
+        with self._lock:
+            self._lease_slots[lease_id] = slots
+            self._group_leases[group] = lease_id
+            while len(self._lease_slots) > MAX_REMEMBERED_LEASES:
+                self._lease_slots.pop(next(iter(self._lease_slots)))
+            while len(self._group_leases) > MAX_REMEMBERED_LEASES:
+                self._group_leases.pop(next(iter(self._group_leases)))
+
+    # ---- the direct channel (same-host leased lookups on the calling thread) ----------------------
+
+    @property
+    def direct_ready(self) -> bool:
+        """Any thread: True while a direct channel is open (:meth:`lookup_direct` may use it). Never reads the socket."""
+        direct = self._direct
+        return direct is not None and not direct.conn.closed
+
+    @property
+    def direct_possible(self) -> bool:
+        """Any thread: True when :meth:`want_direct` would start opening a channel now (a cheap check: no I/O).
+
+        Only on the same-host path (the node's control socket is known), with
+        checksums (a direct lookup's slot map is proven by them), with no
+        channel open or opening, and no attempt in the last ``DIRECT_RETRY_AFTER`` s.
+        """
+        return (not self._closed and self._control is not None and self.checksums and not self.direct_ready
+                and self._direct_opening is None and time.monotonic() - self._direct_tried_at >= DIRECT_RETRY_AFTER)
+
+    def want_direct(self) -> None:
+        """Loop thread: open a direct channel in the background when :attr:`direct_possible` (else nothing).
+
+        The attempt is owned (cancelled by :meth:`close`); its failure is
+        logged at debug level and tried again at most every ``DIRECT_RETRY_AFTER`` s.
+        """
+        if not self.direct_possible:
+            return
+        self._direct_opening = task = asyncio.ensure_future(self.open_direct())
+        self._background.add(task)
+
+        def opened(done: asyncio.Future[bool]) -> None:
+            self._background.discard(done)
+            self._direct_opening = None
+            if not done.cancelled() and done.exception() is not None:
+                log.debug("direct channel to %s: %s", self.address, done.exception())
+
+        task.add_done_callback(opened)
+
+    async def open_direct(self) -> bool:
+        """Loop thread: open the direct channel now; True when one is open after.
+
+        It is one more connection over the node's control socket, with the
+        same handshake and the same client id (so the node counts it among
+        this client's connections: its leases stay this client's, and end
+        only when the last of them closes) and the same segment, then taken
+        off the loop (:class:`dkv.direct_channel.DirectChannel`). Only on the
+        same-host path, with checksums. Raises what opening a connection
+        raises (:class:`~dkv.errors.NodeBusy` at the node's connection cap, say).
+        """
+        if self.direct_ready:
+            return True
+        self._direct_tried_at = time.monotonic()
+        if self._closed or self._control is None or not self.checksums:
+            return False
+        session = await self._open_local_session(*self._control)
+        conn = session.conn
+        if self._closed or not isinstance(conn, StreamConnection):
+            conn.abort()
+            return False
+        channel = DirectChannel(conn.detach(), conn.peer, max_frame=conn.max_frame)
+        direct = _Session(channel, session.info, session.mapping)
+        with self._lock:
+            self._sessions.add(direct)
+        previous, self._direct = self._direct, direct
+        if previous is not None:
+            previous.conn.abort()
+            self._lost(previous)
+        return True
+
+    def lookup_direct(self, hashes: Sequence[bytes], leaves: Sequence[str], shards: int = 1, *,
+                      group: int = 0) -> LookupResult:
+        """Calling thread: a leased :meth:`lookup` over the direct channel, one blocking round trip within ``timeout``.
+
+        It answers as :meth:`lookup` would (the same request, the same
+        checks of the reply), keeps the lease's slot map for its load the same
+        way, and carries the loaded leases to end (``ends``) as any request
+        does. It raises :class:`~dkv.direct_channel.ChannelClosed` or
+        :class:`~dkv.direct_channel.ChannelBusy` when the node did not see
+        the request (no channel, another thread on it, the node closed it, or
+        one larger than this path sends: see :meth:`_fits_one_request`), so
+        the caller may ask :meth:`lookup` on the loop instead. Any other error
+        is the exchange's or the lookup's own: a :class:`~dkv.errors.TransportError`
+        (the connection failed mid-exchange: the node may have seen the
+        request; a leased lookup is idempotent, so asking again is safe),
+        :class:`~dkv.errors.OpTimeout` (the node is hung), a
+        :class:`~dkv.errors.ProtocolError` or a :class:`~dkv.errors.RemoteError`.
+        """
+        direct = self._direct
+        channel = direct.conn if direct is not None else None
+        if direct is None or not isinstance(channel, DirectChannel) or channel.closed or self._closed:
+            raise ChannelClosed(f"no direct channel to {self.address}")
+        fields = self._presence_fields(hashes, leaves, shards)
+        if not self._fits_one_request(len(fields["hashes"]), len(fields["leaves"]), shards):
+            raise ChannelBusy("a lookup near the node's limits is sized on the loop")
+        message, mapping = self._leased_request(direct, {"op": "lookup", **fields, "lease": True, "group": group})
+        ends = self._take_ends()
+        if ends:
+            message["ends"] = ends
+        sent_at = time.monotonic()
+        try:
+            reply = channel.exchange(message, self.timeout)
+        except BaseException as exc:
+            if ends and isinstance(exc, (ChannelClosed, ChannelBusy)):
+                with self._lock:
+                    self._ends[:0] = ends  # the node never saw them: the next request carries them
+            if channel.closed:
+                self._lost(direct)
+            raise
+        return self._leased_answer(message, mapping, _check_reply(reply), sent_at)
+
+    def claim_slots(self, lease_id: int) -> LeaseSlots | None:
+        """Any thread: take the slot map kept for ``lease_id``'s load (to pass to :meth:`read`); ``None`` if none is kept.
+
+        Once taken, a later lookup of the lease's group no longer forgets it
+        (see :meth:`_leased_request`): the load copies under the checksums'
+        proof whatever the node did to the lease meanwhile.
+        """
+        with self._lock:
+            return self._lease_slots.pop(lease_id, None)
 
     def _take_ends(self) -> list[int]:
         """The loaded leases the next request ends (at most ``MAX_ENDS``); they leave the queue."""
-        ends, self._ends = self._ends[:MAX_ENDS], self._ends[MAX_ENDS:]
+        with self._lock:
+            ends, self._ends = self._ends[:MAX_ENDS], self._ends[MAX_ENDS:]
         return ends
 
     def _end_soon(self, lease_id: int) -> None:
         """End a lease the same-host path loaded from: with the next request, or an ``end`` request shortly."""
-        self._ends.append(lease_id)
+        with self._lock:
+            self._ends.append(lease_id)
         if self._end_timer is None and not self._closed:
             self._end_timer = asyncio.get_running_loop().call_later(END_FLUSH_DELAY, self._flush_ends)
 
@@ -662,7 +818,7 @@ class NodeClient:
         return int((await self._request({"op": "clear"}, idempotent=True))["cleared"])
 
     async def read(self, lease_id: int, keys: Sequence[BlockKey], dests: Sequence[Any], *,
-                   end_lease: bool = True) -> None:
+                   end_lease: bool = True, slots: LeaseSlots | None = None) -> None:
         """Read ``keys`` (all covered by ``lease_id``) into ``dests``, one writable buffer per key.
 
         Each destination must be exactly the block's size, and no two may
@@ -683,11 +839,15 @@ class NodeClient:
         writer's, :mod:`dkv.checksum`); a block that fails, or that the node
         names no checksum for, raises :class:`ChecksumMismatch` (the
         destinations hold garbage).
+
+        ``slots``: the lease's slot map when the caller took it beforehand
+        (:meth:`claim_slots`); otherwise the one kept for the lease, if any.
         """
         if len(keys) != len(dests):
             raise ValueError("read: one destination per key")
         views = [_byte_view(d) for d in dests]
-        slots = self._lease_slots.pop(lease_id, None) if end_lease else self._lease_slots.get(lease_id)
+        if slots is None:
+            slots = self._lease_slots.pop(lease_id, None) if end_lease else self._lease_slots.get(lease_id)
         # a lease this client knows ended (its TTL, a later lookup of its group, a release) loads the two-step
         # way, which the node refuses; a copy under a lease ended by anything else fails its checksums
         if slots is not None and self.checksums and time.monotonic() < slots.live_until and await slots.copy(keys, views):
@@ -933,7 +1093,12 @@ class NodeClient:
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
-        self._lease_slots.clear()
+        direct, self._direct = self._direct, None
+        if direct is not None:
+            direct.conn.abort()  # a lookup on it now fails at once
+            self._lost(direct)
+        with self._lock:
+            self._lease_slots.clear()
         sessions, self._idle = self._idle, []
         await asyncio.gather(*(s.conn.close() for s in sessions), return_exceptions=True)
         if self._mapping is not None:
@@ -1040,7 +1205,7 @@ def _unpack_masks(raw: Any, length: int) -> dict[str, list[bool]]:
     for leaf, packed in raw.items():
         if not isinstance(packed, bytes) or len(packed) != length:
             raise ProtocolError(f"mask for leaf {leaf!r} has the wrong length")
-        masks[leaf] = [b == 1 for b in packed]
+        masks[leaf] = (np.frombuffer(packed, dtype=np.uint8) == 1).tolist()  # a byte 1 is True, any other False
     return masks
 
 

@@ -47,6 +47,15 @@ _CHUNK = 64 * 1024  # one read of control bytes (messages under MAPPED_BODY_MIN 
 _INBOX_MAX = MAPPED_BODY_MIN + HEADER_SIZE + _CHUNK  # bytes read ahead with no receive posted; then reading pauses
 
 
+class _Expired(Exception):
+    """A bounded wait's time ran out (set on its future by its timer; never leaves this module)."""
+
+
+def _expire(future: asyncio.Future[Any]) -> None:
+    if not future.done():
+        future.set_exception(_Expired())
+
+
 class _Receive:
     """What the reader fills now: one framed message, or payload buffers filled in place."""
 
@@ -265,6 +274,28 @@ class StreamConnection:
             self.abort()
             raise TransportError(f"{what} with {self.peer} failed: {exc}") from exc
 
+    async def _bounded_future(self, future: asyncio.Future[Any], timeout: float, what: str) -> Any:
+        """:meth:`_bounded` for a future of this connection's: one timer, no ``asyncio.timeout``.
+
+        ``asyncio.timeout`` costs a few µs per wait (and two ``getpid`` system
+        calls, through ``get_running_loop``), paid by the node on every
+        request it waits for; a timer that fails the future costs less.
+        """
+        timer = self._loop.call_later(timeout, _expire, future)
+        try:
+            return await future
+        except _Expired:
+            self.abort()
+            raise OpTimeout(f"{what} to {self.peer} timed out after {timeout:.1f}s") from None
+        except asyncio.CancelledError:
+            self.abort()
+            raise
+        except OSError as exc:
+            self.abort()
+            raise TransportError(f"{what} with {self.peer} failed: {exc}") from exc
+        finally:
+            timer.cancel()
+
     async def _receive(self, want: _Receive, timeout: float) -> Any:
         """Post ``want`` and wait for it (answered at once when the inbox already holds it)."""
         self._socket()
@@ -280,7 +311,7 @@ class StreamConnection:
                 except OSError as exc:
                     self.abort()
                     raise TransportError(f"receive with {self.peer} failed: {exc}") from exc
-            return await self._bounded(want.future, timeout, "receive")
+            return await self._bounded_future(want.future, timeout, "receive")
         finally:
             if self._want is want:
                 self._want = None
@@ -333,6 +364,22 @@ class StreamConnection:
     async def send_raw(self, data: bytes, timeout: float = DEFAULT_TIMEOUT) -> None:
         """Send bytes with no framing (tests of the node's defences use this)."""
         await self._send(data, timeout, "send")
+
+    def detach(self) -> socket.socket:
+        """Hand the socket over (it leaves the loop; this connection is closed): for :mod:`dkv.direct_channel`.
+
+        Only between exchanges: with a receive posted, or bytes read ahead
+        that nobody asked for (the stream would be out of step), it raises
+        :class:`TransportError` and aborts instead.
+        """
+        sock = self._socket()
+        if self._want is not None or self._inbox or self._ended is not None:
+            self.abort()
+            raise TransportError(f"connection to {self.peer} is mid-exchange: it cannot be handed over")
+        self._unwatch()
+        self._sock = None
+        self._ended = ConnectionAbortedError("handed over")
+        return sock
 
     def abort(self) -> None:
         """Close at once; a receive still waiting fails. Idempotent."""

@@ -1,0 +1,159 @@
+"""A same-host client's direct channel (NodeClient.lookup_direct) against real node processes.
+
+The direct channel is one more control connection of the client, handshaken on
+the loop like the others, then driven from the calling thread. These pin that
+it answers exactly as a lookup on the loop does (masks, lease, slot map, the
+carried lease ends), that it belongs to the client (its leases are the
+client's while any connection is open), and that every way it can end — the
+node closing it, a hung node, the listener path — costs a bounded error the
+caller can act on, never a lost lease end or a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+from dkv.client import NodeClient
+from dkv.direct_channel import ChannelClosed, _peer_closed
+from dkv.errors import OpTimeout
+from dkv.keys import BlockKey
+from tests.conftest import node_stats, wait_for_stats
+
+BLOCK = 64 * 1024
+HELD = 8
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def _stored(writer: object) -> tuple[list[bytes], list[bytes]]:
+    hashes = [os.urandom(32) for _ in range(HELD)]
+    data = [os.urandom(BLOCK) for _ in range(HELD)]
+    result = await writer.write([BlockKey("L", 0, h) for h in hashes], data)  # type: ignore[attr-defined]
+    assert result.stored == HELD
+    return hashes, data
+
+
+def _raw(client: object) -> NodeClient:
+    """The client behind the test's proxy: ``lookup_direct`` runs on the calling thread, as the connector calls it."""
+    return client._target  # type: ignore[attr-defined]  # noqa: SLF001
+
+
+async def test_a_direct_lookup_answers_as_a_lookup_does_and_its_load_takes_no_round_trip(
+        node_factory, clients, monkeypatch) -> None:
+    monkeypatch.setattr("dkv.client.END_FLUSH_DELAY", 600.0)  # a loaded lease ends only with the next request
+    node = node_factory("--pool", "16MiB")
+    writer = clients(node.address, local=False)
+    hashes, data = await _stored(writer)
+    reader = clients(node.address, local=True)
+    await reader.connect()
+    assert await reader.open_direct()
+    raw = _raw(reader)
+    assert raw.direct_ready and not raw.direct_possible
+
+    found = raw.lookup_direct(hashes + [os.urandom(32)], ["L", "other"], group=1)
+    assert found.masks == {"L": [True] * HELD + [False], "other": [False] * (HELD + 1)}
+    assert found.lease_id is not None
+    dests = [bytearray(BLOCK) for _ in range(HELD)]
+    await reader.read(found.lease_id, [BlockKey("L", 0, h) for h in hashes], dests)
+    assert [bytes(d) for d in dests] == data
+    assert raw.fast_reads == 1  # copied under the direct lookup's lease, from its slot map
+    stats = await node_stats(node.address)
+    assert stats["ops"]["lookup"] == 1 and "read" not in stats["ops"], stats["ops"]
+    assert stats["leases"] == 1, stats  # the loaded lease waits for the next request to end it
+
+    again = raw.lookup_direct(hashes[:2], ["L"], group=2)  # another group: only the carried end ends the first
+    stats = await node_stats(node.address)
+    assert stats["leases"] == 1 and stats["pinned_blocks"] == 2, stats  # only the new lookup's lease
+    assert "end" not in stats["ops"], stats["ops"]
+    assert await reader.release(again.lease_id)
+
+
+async def test_the_direct_channel_is_the_clients_own_connection_for_its_leases(node_factory, clients) -> None:
+    node = node_factory("--pool", "16MiB")
+    writer = clients(node.address, local=False)
+    hashes, _ = await _stored(writer)
+    reader = clients(node.address, local=True)
+    await reader.connect()
+    assert await reader.open_direct()
+    raw = _raw(reader)
+    generation = raw.lease_generation
+    found = raw.lookup_direct(hashes, ["L"], group=1)
+    assert found.lease_id is not None
+    before = (await node_stats(node.address))["connections"]
+    pooled = list(raw._idle)  # noqa: SLF001 - every pooled connection closes; the direct one stays
+    assert pooled
+    for session in pooled:
+        session.conn.abort()
+    stats = await wait_for_stats(node.address, lambda s: s["connections"] <= before - len(pooled))
+    assert stats["connections"] <= before - len(pooled), "the node never saw the pooled connections close"
+    assert stats["leases"] == 1, "the node ended a lease while the client still had a connection open"
+    assert not raw.leases_lost_since(generation)
+    await reader.close()  # the last connection: the node ends the client's leases
+    stats = await wait_for_stats(node.address, lambda s: s["leases"] == 0)
+    assert stats["leases"] == 0 and stats["pinned_blocks"] == 0, stats
+
+
+async def test_a_listener_client_opens_no_direct_channel(node_factory, clients) -> None:
+    node = node_factory("--pool", "16MiB")
+    reader = clients(node.address, local=False)
+    await reader.connect()
+    raw = _raw(reader)
+    assert not raw.direct_possible
+    assert not await reader.open_direct()
+    with pytest.raises(ChannelClosed):
+        raw.lookup_direct([os.urandom(32)], ["L"])
+
+
+async def test_a_direct_channel_the_node_closed_is_found_out_before_sending_and_no_end_is_lost(
+        node_factory, clients, monkeypatch) -> None:
+    monkeypatch.setattr("dkv.client.END_FLUSH_DELAY", 600.0)
+    monkeypatch.setattr("dkv.client.DIRECT_RETRY_AFTER", 0.0)
+    node = node_factory("--pool", "16MiB", "--idle-timeout", "0.5")
+    writer = clients(node.address, local=False)
+    hashes, data = await _stored(writer)
+    reader = clients(node.address, local=True)
+    await reader.connect()
+    assert await reader.open_direct()
+    raw = _raw(reader)
+    found = await reader.lookup(hashes, ["L"], group=1)  # on the loop; held by the client's pooled connection
+    dests = [bytearray(BLOCK) for _ in range(HELD)]
+    await reader.read(found.lease_id, [BlockKey("L", 0, h) for h in hashes], dests)
+    assert raw.fast_reads == 1 and raw._ends == [found.lease_id]  # noqa: SLF001 - its end waits for a request
+    # the direct channel is the reader's connection idle longest, and not its last: the node closes it
+    deadline = time.monotonic() + 30
+    while not _peer_closed(raw._direct.conn._sock):  # noqa: SLF001 - a peek, as the exchange's own
+        assert time.monotonic() < deadline, "the node never closed the idle direct channel"
+        await asyncio.sleep(0.1)
+    with pytest.raises(ChannelClosed):
+        raw.lookup_direct(hashes, ["L"], group=2)
+    assert raw._ends == [found.lease_id], "an end the node never saw was dropped"  # noqa: SLF001
+    assert not raw.direct_ready and raw.direct_possible
+    assert await reader.open_direct()  # a new one opens
+    again = raw.lookup_direct(hashes, ["L"], group=2)  # and carries the end this time
+    assert raw._ends == []  # noqa: SLF001
+    stats = await node_stats(node.address)
+    assert stats["leases"] == 1, stats  # the loaded lease ended; the new lookup's holds
+    assert await reader.release(again.lease_id)
+
+
+async def test_a_hung_node_times_a_direct_lookup_out_within_its_bound(node_factory, clients) -> None:
+    node = node_factory("--pool", "16MiB")
+    writer = clients(node.address, local=False)
+    hashes, _ = await _stored(writer)
+    reader = clients(node.address, local=True, timeout=1.0)
+    await reader.connect()
+    assert await reader.open_direct()
+    raw = _raw(reader)
+    node.pause()
+    try:
+        started = time.monotonic()
+        with pytest.raises(OpTimeout):
+            raw.lookup_direct(hashes, ["L"])
+        assert time.monotonic() - started < 10.0  # the 1 s bound, generously on a noisy machine
+        assert not raw.direct_ready  # a failed exchange closes the channel: the stream may be out of step
+    finally:
+        node.resume()

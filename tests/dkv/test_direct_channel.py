@@ -1,0 +1,230 @@
+"""The direct channel (dkv.direct_channel.DirectChannel): one blocking exchange at a time, on the calling thread.
+
+The other end of a real Unix socket pair plays the node, on a thread of its
+own. These pin the contract the connector's lookups in place rely on: a reply
+arrives whole however it is cut; every exchange is bounded; a channel the node
+closed is found out before anything is sent (so the caller may ask the other
+way); a second thread is turned away at once, never made to wait; any failure
+closes the channel; and an abort from another thread wakes a blocked exchange.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from dkv.direct_channel import ChannelBusy, ChannelClosed, DirectChannel
+from dkv.errors import FrameTooLarge, OpTimeout, ProtocolError, TransportError
+from dkv.local_channel import StreamConnection
+from dkv.wire import HEADER_SIZE, decode_body, decode_header, encode_body, encode_header
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _frame(message: dict) -> bytes:
+    body = encode_body(message)
+    return encode_header(len(body)) + body
+
+
+def _read_frame(sock: socket.socket) -> dict:
+    header = _read_exactly(sock, HEADER_SIZE)
+    return decode_body(_read_exactly(sock, decode_header(header)))
+
+
+def _read_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionResetError("closed")
+        data += chunk
+    return data
+
+
+class FakeNode:
+    """The node's end of the pair: answers each request with ``answer(request)`` (raw bytes), on its own thread."""
+
+    def __init__(self, sock: socket.socket, answer: Callable[[dict], bytes]) -> None:
+        self.sock = sock
+        self.answer = answer
+        self.requests: list[dict] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        try:
+            while True:
+                request = _read_frame(self.sock)
+                self.requests.append(request)
+                reply = self.answer(request)
+                if reply:
+                    self.sock.sendall(reply)
+        except OSError:
+            pass
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[DirectChannel, socket.socket]]:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    channel = DirectChannel(ours, "test")
+    yield channel, theirs
+    channel.abort()
+    theirs.close()
+
+
+def _echo(request: dict) -> bytes:
+    return _frame({"ok": True, "echo": request["n"]})
+
+
+def test_an_exchange_returns_the_reply_however_its_bytes_are_cut(pair) -> None:
+    channel, theirs = pair
+
+    def in_pieces(request: dict) -> bytes:
+        frame = _frame({"ok": True, "blob": os.urandom(100_000), "n": request["n"]})
+        for i in range(0, len(frame) - 1, 7919):  # header split, body split, a large reply (its own buffer)
+            theirs.sendall(frame[i:i + 7919])
+            time.sleep(0.001)
+        return b""
+
+    FakeNode(theirs, in_pieces)
+    for n in range(3):
+        reply = channel.exchange({"op": "x", "n": n}, 10.0)
+        assert reply["n"] == n and len(reply["blob"]) == 100_000
+    assert channel.exchanges == 3 and not channel.closed
+
+
+def test_a_second_thread_is_turned_away_at_once_while_an_exchange_runs(pair) -> None:
+    channel, theirs = pair
+    release = threading.Event()
+
+    def late(request: dict) -> bytes:
+        release.wait(10)
+        return _echo(request)
+
+    FakeNode(theirs, late)
+    first: dict = {}
+    worker = threading.Thread(target=lambda: first.update(channel.exchange({"op": "x", "n": 1}, 10.0)))
+    worker.start()
+    deadline = time.monotonic() + 10
+    while not channel._lock.locked():  # noqa: SLF001 - the exchange is under way
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    with pytest.raises(ChannelBusy):
+        channel.exchange({"op": "x", "n": 2}, 10.0)
+    release.set()
+    worker.join(10)
+    assert first == {"ok": True, "echo": 1}
+    assert not channel.closed  # the busy caller sent nothing: the stream is in step
+    assert channel.exchange({"op": "x", "n": 3}, 10.0)["echo"] == 3
+
+
+def test_a_channel_the_node_closed_is_found_out_before_anything_is_sent(pair) -> None:
+    channel, theirs = pair
+    theirs.close()
+    with pytest.raises(ChannelClosed):
+        channel.exchange({"op": "x", "n": 1}, 10.0)
+    assert channel.closed
+    with pytest.raises(ChannelClosed):  # and stays closed
+        channel.exchange({"op": "x", "n": 2}, 10.0)
+
+
+def test_a_node_that_does_not_answer_times_the_exchange_out_and_closes_it(pair) -> None:
+    channel, theirs = pair
+    FakeNode(theirs, lambda request: b"")
+    started = time.monotonic()
+    with pytest.raises(OpTimeout):
+        channel.exchange({"op": "x", "n": 1}, 0.3)
+    assert time.monotonic() - started < 5.0  # bounded by the timeout (generously: a noisy machine)
+    assert channel.closed
+
+
+def test_a_reply_cut_short_by_the_node_closing_fails_and_closes(pair) -> None:
+    channel, theirs = pair
+
+    def half(request: dict) -> bytes:
+        frame = _frame({"ok": True, "blob": b"x" * 1000})
+        theirs.sendall(frame[:40])
+        theirs.shutdown(socket.SHUT_RDWR)
+        return b""
+
+    FakeNode(theirs, half)
+    with pytest.raises(TransportError) as raised:
+        channel.exchange({"op": "x", "n": 1}, 10.0)
+    assert not isinstance(raised.value, ChannelClosed)  # the node saw the request: not "never sent"
+    assert channel.closed
+
+
+def test_bytes_past_the_reply_mean_the_stream_is_out_of_step(pair) -> None:
+    channel, theirs = pair
+    FakeNode(theirs, lambda request: _echo(request) + _echo(request))
+    with pytest.raises(ProtocolError):
+        channel.exchange({"op": "x", "n": 1}, 10.0)
+    assert channel.closed
+
+
+def test_a_header_over_the_bound_is_refused_before_its_body(pair) -> None:
+    channel, theirs = pair
+    channel.max_frame = 1024
+    FakeNode(theirs, lambda request: encode_header(1 << 20))  # over the channel's 1 KiB, and no body
+    with pytest.raises(FrameTooLarge):
+        channel.exchange({"op": "x", "n": 1}, 10.0)
+    assert channel.closed
+
+
+def test_an_abort_from_another_thread_wakes_a_blocked_exchange(pair) -> None:
+    channel, theirs = pair
+    FakeNode(theirs, lambda request: b"")
+    failed: list[BaseException] = []
+
+    def exchange() -> None:
+        try:
+            channel.exchange({"op": "x", "n": 1}, 30.0)
+        except BaseException as exc:  # noqa: BLE001 - inspected below
+            failed.append(exc)
+
+    worker = threading.Thread(target=exchange)
+    worker.start()
+    deadline = time.monotonic() + 10
+    while not channel._lock.locked():  # noqa: SLF001
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    time.sleep(0.05)
+    channel.abort()
+    worker.join(10)
+    assert not worker.is_alive(), "the abort did not wake the exchange"
+    assert failed and isinstance(failed[0], TransportError) and not isinstance(failed[0], OpTimeout)
+    assert channel.closed and channel._sock is None  # noqa: SLF001 - the exchanging thread closed the descriptor
+
+
+async def test_a_stream_connection_hands_its_socket_over_only_between_exchanges() -> None:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn = StreamConnection(ours, "handed")
+        theirs.sendall(_frame({"ok": True, "n": 0}))
+        assert (await conn.recv_message(5.0))["n"] == 0
+        channel = DirectChannel(conn.detach(), conn.peer)
+        assert conn.closed
+        FakeNode(theirs, _echo)
+        assert channel.exchange({"op": "x", "n": 5}, 10.0)["echo"] == 5
+        channel.abort()
+    finally:
+        theirs.close()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn = StreamConnection(ours, "mid")
+        theirs.sendall(_frame({"ok": True, "n": 1}))  # read ahead, asked for by nobody: out of step if handed over
+        deadline = time.monotonic() + 10
+        while not conn._inbox:  # noqa: SLF001
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        with pytest.raises(TransportError):
+            conn.detach()
+        assert conn.closed
+    finally:
+        theirs.close()
