@@ -22,7 +22,13 @@ Who calls what (the seed, ``KVConnector-protocol.txt``, is the contract):
 * The process's **UCX loop thread** (:func:`dkv.loop_thread.acquire_shared_loop`,
   shared by every connector of the process) runs every round trip: leased
   lookups, reads, writes, touches, stats. The connector owns the tasks it
-  starts there and cancels what is left of them at shutdown.
+  starts there and cancels what is left of them at shutdown. The one
+  exception: ``lookup()`` of the co-located node on the same-host path runs
+  its round trip on the calling thread, over a control connection taken off
+  the loop (:mod:`dkv.direct_channel`), when one is open and no load it
+  posted there is still waiting to begin
+  (:meth:`~connector.worker_side.WorkerSide.lookup_in_place`); otherwise, and
+  whenever that channel fails, it runs on the loop as above.
 
 Sources. A request's hint decides where blocks come from: a usable hint names
 a live peer (which may be the co-located node itself); no hint means the
@@ -75,6 +81,7 @@ from connector.worker_side import (
     MAX_QUEUED_RELEASES,
     PEER_IDLE_TIMEOUT,
     STATS_INTERVAL,
+    InPlace,
     TrackedClient,
     Transfer,
     WorkerSide,
@@ -119,6 +126,7 @@ class DKVConnector:
         peer_idle_timeout: float = PEER_IDLE_TIMEOUT,
         checksums: bool = True,
         metrics_registry: CollectorRegistry | None = None,
+        lookup_in_place: bool = True,
     ) -> None:
         """Any thread (the engine's, once): connect to the co-located node at ``node`` and, with ``etcd``, follow the cluster.
 
@@ -143,6 +151,10 @@ class DKVConnector:
         connector's ``dkv_connector_*`` metrics in (:mod:`connector.metrics`;
         one connector per registry), until :meth:`shutdown`. Without one,
         :meth:`prometheus_registry` makes one on request.
+
+        ``lookup_in_place`` (default on): :meth:`lookup` of the co-located
+        node on the same-host path runs its round trip on the calling thread
+        when it can (see the module docstring); off, always on the loop thread.
         """
         self.namespace = check_namespace(namespace)
         self._sched = SchedulerSide(leaves, device_blocks, namespace=self.namespace, node_address=node,
@@ -160,7 +172,8 @@ class DKVConnector:
         loop = acquire_shared_loop()
         self._worker = WorkerSide(self._sched, loop, namespace=self.namespace, node_address=node, token=token,
                                   tenant=tenant, timeout=timeout, local=local, checksums=checksums,
-                                  etcd=etcd_target, layout=layout, peer_idle_timeout=peer_idle_timeout)
+                                  etcd=etcd_target, layout=layout, peer_idle_timeout=peer_idle_timeout,
+                                  lookup_in_place=lookup_in_place)
         try:
             self.node_id = loop.run(self._worker.start(node_id), timeout + 10)
             max_leaves = self._worker.max_leaves()  # as its handshake said
@@ -230,7 +243,9 @@ class DKVConnector:
 
         Blocks the calling thread for one round trip, bounded by ``timeout``; a
         node that does not answer in time is a miss. Raises ``ValueError`` for a
-        hash that is not 8 or 32 bytes.
+        hash that is not 8 or 32 bytes. On the same-host path the round trip
+        runs on this thread when it can (no hop to the loop thread: see the
+        module docstring), with the same answer, lease and bounds.
         """
         sched, worker = self._sched, self._worker
         hashes = check_hashes(block_hashes)
@@ -249,7 +264,10 @@ class DKVConnector:
             return sched.empty_masks(len(hashes))
         state: LeaseState | None
         try:
-            state = worker.loop.run(worker.lookup_on(address, hashes, group, peer, hint, slot), self.timeout + 1)
+            answer = worker.lookup_in_place(address, hashes, group, hint, slot)  # no hop, when it can
+            if answer is InPlace.NOT_TAKEN:
+                answer = worker.loop.run(worker.lookup_on(address, hashes, group, peer, hint, slot), self.timeout + 1)
+            state = answer
         except Exception as exc:  # noqa: BLE001 - a dead or slow node costs a miss
             worker.unanswered(address, exc)
             state = None

@@ -22,6 +22,7 @@ import collections
 import concurrent.futures
 import contextlib
 import ctypes
+import enum
 import functools
 import logging
 import os
@@ -34,8 +35,11 @@ from connector.copy_engine import Completion, CopyEngine
 from connector.scheduler_side import LEASE_MARGIN, LeaseState, SchedulerSide
 from connector.transfer_plan import TransferPlan
 from connector.types import ByteCount, KVLoadFailed
+from connector.lease_budget import Slot
 from dkv.client import LookupResult, NodeClient
-from dkv.errors import ChecksumMismatch
+from dkv.lease_slots import LeaseSlots
+from dkv.direct_channel import ChannelBusy, ChannelClosed
+from dkv.errors import ChecksumMismatch, OpTimeout, TransportError
 from dkv.etcd import EtcdSettings, Layout, make_client
 from dkv.loop_thread import LoopThread
 from dkv.router import Router
@@ -130,6 +134,12 @@ class Transfer:
             pass
 
 
+class InPlace(enum.Enum):
+    """What :meth:`WorkerSide.lookup_in_place` answers when it did not look up: ask on the loop thread instead."""
+
+    NOT_TAKEN = "not taken"
+
+
 class TrackedClient(NodeClient):
     """A node client and its use as the worker side sees it (loop thread): calls in flight, and when it was last used.
 
@@ -146,7 +156,8 @@ class WorkerSide:
 
     def __init__(self, sched: SchedulerSide, loop: LoopThread, *, namespace: str, node_address: str,
                  token: bytes | None, tenant: str | None, timeout: float, local: bool | None, checksums: bool,
-                 etcd: str | EtcdSettings | None, layout: Layout | None, peer_idle_timeout: float) -> None:
+                 etcd: str | EtcdSettings | None, layout: Layout | None, peer_idle_timeout: float,
+                 lookup_in_place: bool = True) -> None:
         """Any thread (construction); nothing is started until :meth:`start` runs on the loop."""
         self.sched = sched
         self.loop = loop
@@ -160,6 +171,7 @@ class WorkerSide:
         self._etcd = etcd
         self._layout = layout
         self._peer_idle = peer_idle_timeout
+        self._in_place = lookup_in_place  # lookup() may use the co-located node's direct channel
         self.host_bytes = ByteCount(free=0, total=0)
         self.disk_bytes = ByteCount(free=0, total=0)
         devices = {t.device for replica in sched.blocks for shards in replica.values() for t in shards}
@@ -186,6 +198,10 @@ class WorkerSide:
         self._wake_lock = threading.Lock()  # the pipe's write end is not closed under a writer
         self._wake_fd = -1  # write end of the wake pipe, once the loop reads it (start)
         self._wake_read_fd = -1
+        # loads of the co-located node's leases posted (scheduler thread) and begun on the loop thread
+        # (their slot maps taken): a lookup runs in place only while the two are equal (see lookup_in_place)
+        self._local_loads_posted = 0
+        self._local_loads_begun = 0
 
     # ---- start, clients --------------------------------------------------------------------------
 
@@ -320,6 +336,19 @@ class WorkerSide:
         return self.sched.granted(address, slot, hashes, hint, peer, result.masks, result.lease_id, ttl,
                                   client.lease_generation)
 
+    def _lookup_fits(self, client: NodeClient, hashes: int) -> int:
+        """How many of ``hashes`` one leased request to ``client``'s node may carry (``max_cost``, ``max_keys``)."""
+        per_hash = max(1, len(self.sched.leaf_names) * self.sched.tp_shards)
+        return max(1, min(client.limit("max_cost") // per_hash, client.limit("max_keys"), hashes))
+
+    def _padded(self, result: LookupResult, asked: int, hashes: int) -> LookupResult:
+        """A lookup of the first ``asked`` of ``hashes`` hashes, the rest reported absent (counted when any is)."""
+        if asked == hashes:
+            return result
+        self.sched.count(lookups_truncated=1)
+        absent = [False] * (hashes - asked)
+        return LookupResult({leaf: mask + absent for leaf, mask in result.masks.items()}, result.lease_id)
+
     async def _leased_lookup(self, client: NodeClient, hashes: list[bytes], group: int) -> LookupResult:
         """Loop thread: one leased lookup of the longest prefix of ``hashes`` the node takes in one request.
 
@@ -330,15 +359,68 @@ class WorkerSide:
         """
         if client.info is None:
             await client.connect()  # the node's limits come with its handshake
-        leaves, shards = self.sched.leaf_names, self.sched.tp_shards
-        per_hash = max(1, len(leaves) * shards)
-        fits = max(1, min(client.limit("max_cost") // per_hash, client.limit("max_keys")))
-        if len(hashes) <= fits:
-            return await client.lookup(hashes, list(leaves), shards, lease=True, group=group)
-        self.sched.count(lookups_truncated=1)
-        result = await client.lookup(hashes[:fits], list(leaves), shards, lease=True, group=group)
-        absent = [False] * (len(hashes) - fits)
-        return LookupResult({leaf: mask + absent for leaf, mask in result.masks.items()}, result.lease_id)
+        fits = self._lookup_fits(client, len(hashes))
+        result = await client.lookup(hashes[:fits], list(self.sched.leaf_names), self.sched.tp_shards,
+                                     lease=True, group=group)
+        return self._padded(result, fits, len(hashes))
+
+    def lookup_in_place(self, address: str, hashes: list[bytes], group: int, hint: bytes | None,
+                        slot: Slot | None) -> LeaseState | None | InPlace:
+        """Scheduler thread: :meth:`lookup_on` for the co-located node, on this thread, over its direct channel.
+
+        One blocking exchange (:meth:`dkv.client.NodeClient.lookup_direct`),
+        bounded by the client's timeout, with no hop to the loop thread. It
+        answers :data:`InPlace.NOT_TAKEN` when it did not look up, having
+        given back any budget slot it took itself (``slot``, one passed on,
+        stays the caller's): not the co-located node, no direct channel open
+        (one is asked for, in the background), a load of this connector
+        posted to the node but not yet begun (a lookup here could otherwise
+        overtake it and end the lease it is about to read: on the loop thread
+        the load goes first), a lookup the channel does not take, or a
+        connection that failed mid-exchange (a leased lookup is idempotent:
+        the loop thread asks again, with its retries). A timeout (a hung
+        node) or an error reply raises, with the slot given back, as
+        :meth:`lookup_on` does.
+        """
+        if not self._in_place or address != self.node_address or self.closed:
+            return InPlace.NOT_TAKEN
+        client = self.clients.get(address)
+        if client is None or client.info is None:
+            return InPlace.NOT_TAKEN
+        if not client.direct_ready:
+            if client.direct_possible:
+                self.call_soon(client.want_direct)
+            return InPlace.NOT_TAKEN
+        if self._local_loads_begun != self._local_loads_posted:
+            return InPlace.NOT_TAKEN
+        limits = client.info.limits
+        taken = slot is None
+        if taken:
+            slot = self.sched.take_lease_slot(address, limits)
+            if slot is None:
+                return None
+        fits = self._lookup_fits(client, len(hashes))
+        try:
+            result = client.lookup_direct(hashes[:fits], self.sched.leaf_names, self.sched.tp_shards, group=group)
+        except (ChannelBusy, ChannelClosed):
+            if taken:
+                self.sched.budget.give_back(address, slot)
+            return InPlace.NOT_TAKEN
+        except TransportError as exc:
+            if isinstance(exc, OpTimeout):
+                self.sched.budget.give_back(address, slot)
+                raise
+            log.debug("the direct channel to %s failed mid-lookup (%s): asking on the loop", address, exc)
+            if taken:
+                self.sched.budget.give_back(address, slot)
+            return InPlace.NOT_TAKEN
+        except BaseException:
+            self.sched.budget.give_back(address, slot)
+            raise
+        client.last_used = time.monotonic()
+        self.sched.count(lookups_in_place=1)
+        return self.sched.granted(address, slot, hashes, hint, False, self._padded(result, fits, len(hashes)).masks,
+                                  result.lease_id, float(limits.get("lease_ttl", 10.0)), client.lease_generation)
 
     async def lookup_handle(self, address: str, hashes: list[bytes], group: int, peer: bool,
                             hint: bytes | None) -> LeaseState | None:
@@ -427,13 +509,30 @@ class WorkerSide:
             self.sched.count_load_failure(None)
             self.release(state)
             raise KVLoadFailed(f"could not post the load: {exc}") from exc
+        if not state.peer:
+            self._local_loads_posted += 1  # after the submit: _read counts it begun (see lookup_in_place)
         self.sched.count(loads=1)
         transfer = Transfer(future, is_load=True)
         self._book(transfer)
         return transfer
 
+    def _claim_slots(self, state: LeaseState) -> LeaseSlots | None:
+        """Loop thread, first thing in a load: take its lease's slot map, and count the load as begun. Never raises.
+
+        From here on a lookup in place may end the lease (the map is the
+        load's; its copy is proven by the checksums); before, it must not
+        (see :meth:`lookup_in_place`).
+        """
+        try:
+            client = self.clients.get(state.address)
+            return client.claim_slots(state.lease_id) if client is not None and state.lease_id is not None else None
+        finally:
+            if not state.peer:
+                self._local_loads_begun += 1
+
     async def _read(self, state: LeaseState, plan: TransferPlan) -> Completion:
         """Loop thread: read a lease's blocks into the plan's rows (the read ends the lease on the node)."""
+        slots = self._claim_slots(state)
         sched = self.sched
         keys = plan.keys()
         targets, finish = self.copy[plan.device].load_targets(plan.row_groups())
@@ -441,7 +540,7 @@ class WorkerSide:
         try:
             client = self.client(state.address)
             with self.using(client):
-                await client.read(state.lease_id, keys, targets)  # type: ignore[arg-type]
+                await client.read(state.lease_id, keys, targets, slots=slots)  # type: ignore[arg-type]
         except Exception as exc:
             sched.count_load_failure(exc)  # by reason; a checksum failure in checksum_failures too
             if isinstance(exc, ChecksumMismatch):  # corrupted or substituted bytes: failed, never delivered

@@ -4,15 +4,18 @@
 Against one real node (started here, stopped by its PID at the end), for a
 lookup of ``--hashes`` held hashes (default 1, so the fixed cost shows):
 
-  connector    ``DKVConnector.lookup`` on the calling thread (validation, the hop
-               to the loop thread, the worker side's lease budget and lease
-               state, the held-blocks memory, the hop back);
+  connector    ``DKVConnector.lookup`` on the calling thread, as engines get it:
+               its round trip on that thread, over the direct channel;
+  conn_loop    the same with ``lookup_in_place=False`` (validation, the hop to the
+               loop thread, the worker side's lease budget and lease state, the
+               held-blocks memory, the hop back);
   raw_on_loop  ``NodeClient.lookup`` (leased) awaited on the loop thread itself:
                the client and the node, no hop;
+  raw_direct   ``NodeClient.lookup_direct`` on the calling thread;
   hop          an empty coroutine run on the loop thread from the calling thread.
 
-``connector - raw_on_loop - hop`` is what the connector adds around the node's
-round trip. Each round runs every contender ``--samples`` times; the first
+``conn_loop - raw_on_loop - hop`` is what the connector adds around the node's
+round trip on the loop; ``connector - raw_direct`` what it adds in place. Each round runs every contender ``--samples`` times; the first
 round is warm-up. With ``--profile``, one more pass of each path runs under
 cProfile on the loop thread and prints its top functions.
 
@@ -60,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     node = start_node("--log-level", "WARNING", pool="64MiB", exit_with_parent=True)
     loop = acquire_shared_loop()
     conn: Any = None
+    conn_loop: Any = None
     raw: Any = None
     try:
         hashes, h = [], b"\0" * 32
@@ -69,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = torch.ones(args.hashes + 1, PAGE, dtype=torch.uint8)
         conn = DKVConnector({LEAF: full_attention(0)}, [{LEAF: [rows]}], namespace="probe", node=str(node.address),
                             timeout=TIMEOUT)
+        conn_loop = DKVConnector({LEAF: full_attention(0)}, [{LEAF: [rows]}], namespace="probe",
+                                 node=str(node.address), timeout=TIMEOUT, lookup_in_place=False)
         stored = conn.offload({LEAF: list(range(1, args.hashes + 1))}, {LEAF: hashes})
         deadline = time.monotonic() + TIMEOUT
         while not stored.is_complete():
@@ -77,6 +83,15 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.001)
         raw = NodeClient(str(node.address), "probe", local=True, timeout=TIMEOUT)
         loop.run(raw.connect(), TIMEOUT)
+        if not loop.run(raw.open_direct(), TIMEOUT):
+            raise SystemExit("no direct channel: the node is not on the same-host path")
+        conn.lookup(hashes)  # asks for its direct channel
+        deadline = time.monotonic() + TIMEOUT
+        while conn.counters.lookups_in_place == 0:
+            if time.monotonic() > deadline:
+                raise SystemExit("the connector's lookups never ran in place")
+            time.sleep(0.01)
+            conn.lookup(hashes)
 
         async def nothing() -> None:
             return None
@@ -105,12 +120,20 @@ def main(argv: list[str] | None = None) -> int:
         def conn_lookups(n: int) -> list[int]:
             return each_timed(n, lambda: conn.lookup(hashes), lambda masks: all(masks[LEAF]))
 
+        def conn_loop_lookups(n: int) -> list[int]:
+            return each_timed(n, lambda: conn_loop.lookup(hashes), lambda masks: all(masks[LEAF]))
+
+        def raw_direct_lookups(n: int) -> list[int]:
+            return each_timed(n, lambda: raw.lookup_direct(hashes, [LEAF]), lambda found: all(found.masks[LEAF]))
+
         def hops(n: int) -> list[int]:
             return each_timed(n, lambda: loop.run(nothing(), TIMEOUT), lambda _: True)
 
         contenders: dict[str, Callable[[int], list[int]]] = {
             "connector": conn_lookups,
+            "conn_loop": conn_loop_lookups,
             "raw_on_loop": lambda n: loop.run(raw_lookups(n), 120),
+            "raw_direct": raw_direct_lookups,
             "hop": hops,
         }
         samples: dict[str, list[int]] = {name: [] for name in contenders}
@@ -125,10 +148,14 @@ def main(argv: list[str] | None = None) -> int:
         summaries = {name: latency_summary_us(values) for name, values in samples.items()}
         for name, summary in summaries.items():
             print(f"  {name:12s} p50 {summary['p50_us']:8.1f} µs   p99 {summary['p99_us']:8.1f} µs")
-        added = summaries["connector"]["p50_us"] - summaries["raw_on_loop"]["p50_us"] - summaries["hop"]["p50_us"]
-        print(f"  the connector adds (p50): {added:.1f} µs around the node's round trip and one hop")
+        added = summaries["conn_loop"]["p50_us"] - summaries["raw_on_loop"]["p50_us"] - summaries["hop"]["p50_us"]
+        print(f"  the connector adds (p50): {added:.1f} µs around the node's round trip and one hop on the loop")
+        added = summaries["connector"]["p50_us"] - summaries["raw_direct"]["p50_us"]
+        print(f"  the connector adds (p50): {added:.1f} µs around the round trip in place")
+        if conn.counters.lookups_in_place < conn.counters.lookups - 5:
+            print(f"  (only {conn.counters.lookups_in_place} of {conn.counters.lookups} connector lookups ran in place)")
         if args.profile:
-            for name in ("connector", "raw_on_loop"):
+            for name in ("conn_loop", "raw_on_loop"):
                 profiler = cProfile.Profile()
 
                 async def switch(on: bool) -> None:
@@ -144,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
             loop.run(raw.close(), TIMEOUT)
         if conn is not None:
             conn.shutdown()
+        if conn_loop is not None:
+            conn_loop.shutdown()
         release_shared_loop()
         node.stop()
     return 0

@@ -1,0 +1,142 @@
+"""``lookup()`` in place: the co-located node's round trip on the calling thread (real node processes).
+
+On the same-host path the connector's ``lookup()`` sends its leased lookup
+over a control connection of its own, driven from the scheduler thread, with
+no hop to the loop thread. These pin that nothing else changes: the same
+masks and leases, loads after it bit-exact, a lookup never overtakes a load
+still waiting on the loop thread, a dead or hung node costs the same bounded
+miss (and backoff) as on the loop, and with the option off it never happens.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from connector.dkv_connector import DKVConnector
+from tests.conftest import node_stats, wait_for_stats
+from tests.connector.conftest import device_blocks, two_leaves
+from tests.connector.test_connector import BOUND, chain, fill, offload_chain, wait
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _in_place(conn: DKVConnector, hashes: list[bytes]) -> None:
+    """Look up until a lookup ran in place (the first ones ask for the channel, opened in the background)."""
+    deadline = time.monotonic() + BOUND
+    before = conn.counters.lookups_in_place
+    while conn.counters.lookups_in_place == before:
+        assert time.monotonic() < deadline, "no lookup ran in place: the direct channel never opened"
+        conn.lookup(hashes)
+        time.sleep(0.01)
+
+
+def _rows(conn: DKVConnector, leaf: str, ids: list[int]) -> list[bytes]:
+    return [bytes(t[i].numpy()) for t in conn._blocks[0][leaf] for i in ids]  # noqa: SLF001
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_lookup_in_place_answers_as_on_the_loop_and_its_load_is_bit_exact(node_factory, connectors, tp: int) -> None:
+    node = node_factory()
+    leaves = two_leaves(tp)
+    writer = connectors(node.address, leaves=leaves, blocks=device_blocks(leaves))
+    reader = connectors(node.address, leaves=leaves, blocks=device_blocks(leaves))
+    hashes = chain(4)
+    offload_chain(writer, writer._blocks, hashes)  # noqa: SLF001
+    _in_place(reader, hashes)
+    counted = reader.counters.lookups_in_place
+    masks = reader.lookup(hashes + chain(1))
+    assert reader.counters.lookups_in_place == counted + 1
+    assert masks == {"full": [True] * 4 + [False], "swa": [True] * 4 + [False]}
+    wait(reader.load({"full": [1, 2, 3, 4], "swa": [3, 4]}, {"full": hashes, "swa": hashes[2:]}))
+    assert _rows(reader, "full", [1, 2, 3, 4]) == _rows(writer, "full", [1, 2, 3, 4])
+    assert _rows(reader, "swa", [3, 4]) == _rows(writer, "swa", [3, 4])
+    assert reader.lookup(hashes[:1]) == {"full": [True], "swa": [True]}  # after a load: the other group
+    assert reader.counters.lookups_in_place == counted + 2  # the load had begun (it landed): nothing to overtake
+
+
+def test_with_lookup_in_place_off_every_lookup_takes_the_loop(node_factory, connectors) -> None:
+    node = node_factory()
+    conn = connectors(node.address, lookup_in_place=False)
+    hashes = chain(2)
+    offload_chain(conn, conn._blocks, hashes)  # noqa: SLF001
+    for _ in range(20):
+        assert conn.lookup(hashes) == {"full": [True, True], "swa": [True, True]}
+        time.sleep(0.01)
+    assert conn.counters.lookups_in_place == 0
+    assert not conn._clients[node.address].direct_ready  # noqa: SLF001 - none was even opened
+
+
+async def test_a_lookup_never_overtakes_a_load_still_waiting_on_the_loop(node_factory, connectors) -> None:
+    node = node_factory()
+    conn = connectors(node.address, timeout=10.0)
+    blocks = conn._blocks  # noqa: SLF001
+    hashes = chain(3)
+    offload_chain(conn, blocks, hashes)
+    expected = _rows(conn, "full", [1, 2, 3])
+    _in_place(conn, hashes)
+    conn.lookup(hashes)
+    for leaf in blocks[0]:
+        fill(blocks, leaf, [1, 2, 3], seed=99)  # rows the load must overwrite
+    held, release = threading.Event(), threading.Event()
+
+    async def hold_the_loop() -> None:
+        held.set()
+        release.wait(BOUND)  # blocks the loop thread itself: nothing queued behind it runs
+
+    holding = conn._loop.submit(hold_the_loop())  # noqa: SLF001
+    assert held.wait(BOUND)
+    transfer = conn.load({"full": [1, 2, 3]}, {"full": hashes})  # posted; cannot begin while the loop is held
+    before = conn.counters.lookups_in_place
+    threading.Timer(0.3, release.set).start()
+    assert conn.lookup(hashes) == {"full": [True] * 3, "swa": [True] * 3}  # on the loop, after the load began
+    assert conn.counters.lookups_in_place == before, "the lookup overtook a load that had not begun"
+    holding.result(BOUND)
+    wait(transfer)
+    assert _rows(conn, "full", [1, 2, 3]) == expected
+    _in_place(conn, hashes)  # once the load began, lookups run in place again
+    stats = await node_stats(node.address)
+    assert stats["ops"].get("read", 0) == 0, "the load was refused its one-round-trip copy"
+
+
+def test_a_killed_node_costs_an_in_place_lookup_one_miss_then_backoff(node_factory, connectors) -> None:
+    node = node_factory()
+    conn = connectors(node.address, timeout=2.0)
+    hashes = chain(2)
+    offload_chain(conn, conn._blocks, hashes)  # noqa: SLF001
+    _in_place(conn, hashes)
+    failures, skipped = conn.counters.lookup_failures, conn.counters.lookups_skipped
+    node.kill()
+    started = time.monotonic()
+    assert conn.lookup(hashes) == {"full": [False, False], "swa": [False, False]}
+    assert time.monotonic() - started < BOUND
+    assert conn.counters.lookup_failures == failures + 1
+    assert conn.lookup(hashes) == {"full": [False, False], "swa": [False, False]}
+    assert conn.counters.lookups_skipped == skipped + 1, "the dead node is not asked again during the backoff"
+
+
+async def test_a_hung_node_costs_an_in_place_lookup_its_timeout_then_backoff(node_factory, connectors) -> None:
+    node = node_factory()
+    conn = connectors(node.address, timeout=1.0)
+    hashes = chain(2)
+    offload_chain(conn, conn._blocks, hashes)  # noqa: SLF001
+    _in_place(conn, hashes)
+    failures = conn.counters.lookup_failures
+    node.pause()
+    try:
+        started = time.monotonic()
+        assert conn.lookup(hashes) == {"full": [False, False], "swa": [False, False]}
+        assert time.monotonic() - started < 10.0  # the 1 s bound, generously on a noisy machine
+        assert conn.counters.lookup_failures == failures + 1
+        started = time.monotonic()
+        assert conn.lookup(hashes) == {"full": [False, False], "swa": [False, False]}
+        assert conn.counters.lookups_skipped >= 1 and time.monotonic() - started < 1.0
+    finally:
+        node.resume()
+    conn._unreachable.clear()  # noqa: SLF001 - end the backoff early: the node answers again
+    _in_place(conn, hashes)  # a new channel opens (the timed-out one was closed)
+    assert conn.lookup(hashes) == {"full": [True, True], "swa": [True, True]}
+    stats = await wait_for_stats(node.address, lambda s: s["leases"] <= 1)
+    assert stats["leases"] <= 1, stats  # the replica's one lease: the timed-out lookup's ended with its connection
