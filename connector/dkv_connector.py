@@ -28,7 +28,10 @@ Who calls what (the seed, ``KVConnector-protocol.txt``, is the contract):
   the loop (:mod:`dkv.direct_channel`), when one is open and no load it
   posted there is still waiting to begin
   (:meth:`~connector.worker_side.WorkerSide.lookup_in_place`); otherwise, and
-  whenever that channel fails, it runs on the loop as above.
+  whenever that channel fails, it runs on the loop as above. Likewise a small
+  same-host load into CPU rows is copied out of its lease's slots on the
+  calling thread (a checked memcpy, no I/O:
+  :meth:`~connector.worker_side.WorkerSide.load_in_place`).
 
 Sources. A request's hint decides where blocks come from: a usable hint names
 a live peer (which may be the co-located node itself); no hint means the
@@ -154,7 +157,8 @@ class DKVConnector:
 
         ``lookup_in_place`` (default on): :meth:`lookup` of the co-located
         node on the same-host path runs its round trip on the calling thread
-        when it can (see the module docstring); off, always on the loop thread.
+        when it can, and a small same-host load into CPU rows is copied there
+        too (see the module docstring); off, both always go through the loop thread.
         """
         self.namespace = check_namespace(namespace)
         self._sched = SchedulerSide(leaves, device_blocks, namespace=self.namespace, node_address=node,
@@ -315,6 +319,8 @@ class DKVConnector:
         """Scheduler thread: load exactly these blocks, all or nothing, out of the replica's last ``lookup()``.
 
         Validates, plans and posts the read to the loop thread; never waits on it.
+        A small same-host load is copied here instead (see the module
+        docstring) and returns a :class:`CompletedTransfer`.
         Raises only :class:`KVLoadRefused` (before anything moved: a block the
         lookup did not report, an expired lease, a different hint; bad input is
         its subclass :class:`KVLoadInvalid`, also a ``ValueError``) and
@@ -355,7 +361,8 @@ class DKVConnector:
                 worker.release(state)
             return CompletedTransfer()
         assert state is not None
-        return worker.post_load(state, plan)
+        done = worker.load_in_place(state, plan)  # a small same-host load: copied here, no hop
+        return done if done is not None else worker.post_load(state, plan)
 
     # ---- offloads -----------------------------------------------------------------------------
 

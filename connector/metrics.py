@@ -53,6 +53,8 @@ _PLAIN: dict[str, tuple[str, str]] = {
     "dkv_connector_hints_behind_device_total": ("hints_behind_device",
                                                 "Usable hints with nothing to add: the device held more already"),
     "dkv_connector_loads_total": ("loads", "Loads posted"),
+    "dkv_connector_loads_in_place_total": ("loads_in_place",
+                                           "Small same-host loads copied on the calling thread (in loads too)"),
     "dkv_connector_blocks_loaded_total": ("blocks_loaded", "Blocks (hash x leaf x shard) loads brought in"),
     "dkv_connector_checksum_failures_total": ("checksum_failures",
                                               "Loads failed by their checksums, and offloads the node refused so"),

@@ -34,7 +34,7 @@ from typing import Any
 from connector.copy_engine import Completion, CopyEngine
 from connector.scheduler_side import LEASE_MARGIN, LeaseState, SchedulerSide
 from connector.transfer_plan import TransferPlan
-from connector.types import ByteCount, KVLoadFailed
+from connector.types import ByteCount, CompletedTransfer, KVLoadFailed
 from connector.lease_budget import Slot
 from dkv.client import LookupResult, NodeClient
 from dkv.lease_slots import LeaseSlots
@@ -54,6 +54,9 @@ MAX_BACKGROUND = 64  # fire-and-forget touches in flight at once; more are dropp
 # an engine that never polls cannot grow them (and their futures and tasks) without bound
 MAX_BOOKED = 1024
 MAX_QUEUED_RELEASES = 1024  # lease releases waiting per node (a node ends a client's oldest lease past 64 anyway)
+# a same-host load of at most this many bytes into CPU rows is copied on the scheduler thread (load_in_place):
+# a checked copy of this size (~30 µs) costs less than the two thread hops of posting it
+IN_PLACE_LOAD_BYTES = 256 * 1024
 
 
 def _gil_holding_write() -> Callable[[int, bytes, int], int]:
@@ -515,6 +518,45 @@ class WorkerSide:
         transfer = Transfer(future, is_load=True)
         self._book(transfer)
         return transfer
+
+    def load_in_place(self, state: LeaseState, plan: TransferPlan) -> CompletedTransfer | None:
+        """Scheduler thread: a small same-host load copied on this thread; ``None`` when it must be posted instead.
+
+        Only a load of at most ``IN_PLACE_LOAD_BYTES`` from the co-located
+        node into rows the copy engine fills in place (CPU tensors), whose
+        lease's slot map this client holds: it is claimed, copied and checked
+        here (:meth:`dkv.client.NodeClient.read_here`: tens of µs, no round
+        trip, no hop to the loop thread and back), the lease's end is queued
+        for the next request (or a flush the loop thread sends shortly), and
+        the load is booked as :meth:`_read` books one. A copy that does not
+        verify (a slot map that lapsed, a slot reused) is posted as a read
+        the two-step way, as the loop thread would do with it.
+        """
+        if (not self._in_place or state.peer or state.lease_id is None or plan.nbytes > IN_PLACE_LOAD_BYTES
+                or self.copy[plan.device].staged or self.closed):
+            return None
+        client = self.clients.get(state.address)
+        slots = client.claim_slots(state.lease_id) if client is not None else None
+        if slots is None:
+            return None
+        sched = self.sched
+        keys = plan.keys()
+        started = time.perf_counter()
+        targets, _ = self.copy[plan.device].load_targets(plan.row_groups())
+        try:
+            done = client.read_here(state.lease_id, keys, targets, slots)  # type: ignore[union-attr]
+        except Exception:  # noqa: BLE001 - a copy that could not run: the loop reads it the two-step way
+            log.debug("an in-place load failed before its copy; posted instead", exc_info=True)
+            done = False
+        if not done:
+            return None
+        if client.end_later(state.lease_id):  # type: ignore[union-attr]
+            self.call_soon(client.flush_ends_soon)  # type: ignore[union-attr]
+        sched.budget.give_back_lease(state.address, state.lease_id)
+        sched.count(loads=1, loads_in_place=1, blocks_loaded=len(keys), bytes_loaded=plan.nbytes)
+        sched.observe_load(False, time.perf_counter() - started)
+        sched.add_metrics(h2d_bytes_copied=plan.nbytes)
+        return CompletedTransfer()
 
     def _claim_slots(self, state: LeaseState) -> LeaseSlots | None:
         """Loop thread, first thing in a load: take its lease's slot map, and count the load as begun. Never raises.

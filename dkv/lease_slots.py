@@ -200,13 +200,13 @@ class LeaseSlots:
         returns.
         """
         sizes = [view.nbytes for view in views]
+        total = sum(sizes)
+        if total < OFF_LOOP_COPY_MIN:
+            return self.copy_here(keys, views)
         plan = self._plan(keys, sizes)
         if plan is None:
             return False
         offsets, sums = plan
-        total = sum(sizes)
-        if total < OFF_LOOP_COPY_MIN:
-            return self._copy_and_verify(keys, views, offsets, sums)
         loop = asyncio.get_running_loop()
         gil_free = total >= PARALLEL_COPY_MIN and (
             _native_copy_and_checksum is not None or min(sizes) >= GIL_FREE_COPY_MIN)
@@ -222,6 +222,18 @@ class LeaseSlots:
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.wait(copies)
             raise
+
+    def copy_here(self, keys: Sequence[Any], views: Sequence[memoryview]) -> bool:
+        """:meth:`copy` on the calling thread, whatever the size (any thread; meant for small copies).
+
+        The same answer as :meth:`copy`: True when every block matched its
+        checksum; False leaves the views holding garbage.
+        """
+        plan = self._plan(keys, [view.nbytes for view in views])
+        if plan is None:
+            return False
+        offsets, sums = plan
+        return self._copy_and_verify(keys, views, offsets, sums)
 
     def _copy_and_verify(self, keys: Sequence[Any], views: Sequence[memoryview], offsets: Sequence[int],
                          sums: bytes) -> bool:

@@ -17,7 +17,8 @@ Inside the load, timing wrappers (installed here, on the classes, for this
 process only) split it on the loop thread: the node round trip of the lookup
 (``NodeClient.lookup``), the read (``NodeClient.read``), its plan
 (``LeaseSlots._plan``) and the copy on the worker thread
-(``LeaseSlots._copy_and_verify``). Whatever the table does not name is
+(``LeaseSlots._copy_and_verify``); a load small enough to be copied on the
+calling thread shows ``NodeClient.read_here`` instead of the read. Whatever the table does not name is
 wake-ups, hops and the connector's bookkeeping. ``--listener`` loads over the
 node's UCX listener instead (``local=False``), and also times the payload
 receive (``Connection.recv_payloads``), the checks of landed blocks included.
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                                           "load (load_lookup -> complete)": [], "whole load": []}
         limits: dict[str, list[float]] = {"memcpy": [], "copy+checksum": []}
         inside: dict[str, list[float]] = {}
-        wrapped = [(NodeClient, "lookup"), (NodeClient, "read"), (LeaseSlots, "_plan"),
+        wrapped = [(NodeClient, "lookup"), (NodeClient, "read"), (NodeClient, "read_here"), (LeaseSlots, "_plan"),
                    (LeaseSlots, "_copy_and_verify"), (WorkerSide, "_read"), (Connection, "recv_payloads")]
 
         def dkv_load() -> None:
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
               f"load average {os.getloadavg()[0]:.2f}")
         for name, samples in (*limits.items(), *phases.items()):
             print(f"  {name:36s} {p50_ms(samples):8.3f}   {p50_ms(samples) / memcpy_ms:5.2f} x memcpy")
-        print("  on the loop thread (and the copy's worker thread):")
+        print("  on the loop thread (and the copy's worker thread; read_here: a small load, on the calling thread):")
         for label, samples in ((label, samples) for label, samples in inside.items() if samples):
             print(f"    {label:34s} {p50_ms(samples):8.3f}   ({len(samples)} calls)")
         whole = p50_ms(phases["whole load"])

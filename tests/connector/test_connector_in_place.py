@@ -1,11 +1,14 @@
-"""``lookup()`` in place: the co-located node's round trip on the calling thread (real node processes).
+"""Lookups and small loads in place: same-host work on the calling thread (real node processes).
 
 On the same-host path the connector's ``lookup()`` sends its leased lookup
 over a control connection of its own, driven from the scheduler thread, with
-no hop to the loop thread. These pin that nothing else changes: the same
-masks and leases, loads after it bit-exact, a lookup never overtakes a load
-still waiting on the loop thread, a dead or hung node costs the same bounded
-miss (and backoff) as on the loop, and with the option off it never happens.
+no hop to the loop thread; and a small load into CPU rows is copied out of the
+lease's slots right there. These pin that nothing else changes: the same
+masks and leases, loads bit-exact, a lookup never overtakes a load still
+waiting on the loop thread, a copy that cannot be proven falls back to the
+two-step read (and fails rather than deliver other bytes), a loaded lease
+ends without another request, a dead or hung node costs the same bounded
+miss (and backoff) as on the loop, and with the option off none of it happens.
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ import time
 import pytest
 
 from connector.dkv_connector import DKVConnector
+from connector.types import CompletedTransfer, KVLoadFailed
+from dkv.keys import BlockKey
 from tests.conftest import node_stats, wait_for_stats
-from tests.connector.conftest import device_blocks, two_leaves
+from tests.connector.conftest import PAGE_BYTES, device_blocks, two_leaves
 from tests.connector.test_connector import BOUND, chain, fill, offload_chain, wait
 
 pytestmark = pytest.mark.timeout(180)
@@ -57,7 +62,7 @@ def test_a_lookup_in_place_answers_as_on_the_loop_and_its_load_is_bit_exact(node
     assert reader.counters.lookups_in_place == counted + 2  # the load had begun (it landed): nothing to overtake
 
 
-def test_with_lookup_in_place_off_every_lookup_takes_the_loop(node_factory, connectors) -> None:
+def test_with_lookup_in_place_off_every_lookup_and_load_takes_the_loop(node_factory, connectors) -> None:
     node = node_factory()
     conn = connectors(node.address, lookup_in_place=False)
     hashes = chain(2)
@@ -65,11 +70,14 @@ def test_with_lookup_in_place_off_every_lookup_takes_the_loop(node_factory, conn
     for _ in range(20):
         assert conn.lookup(hashes) == {"full": [True, True], "swa": [True, True]}
         time.sleep(0.01)
-    assert conn.counters.lookups_in_place == 0
+    wait(conn.load({"full": [1, 2]}, {"full": hashes}))
+    assert conn.counters.lookups_in_place == 0 and conn.counters.loads_in_place == 0
     assert not conn._clients[node.address].direct_ready  # noqa: SLF001 - none was even opened
 
 
-async def test_a_lookup_never_overtakes_a_load_still_waiting_on_the_loop(node_factory, connectors) -> None:
+async def test_a_lookup_never_overtakes_a_load_still_waiting_on_the_loop(node_factory, connectors,
+                                                                         monkeypatch) -> None:
+    monkeypatch.setattr("connector.worker_side.IN_PLACE_LOAD_BYTES", 0)  # every load is posted to the loop
     node = node_factory()
     conn = connectors(node.address, timeout=10.0)
     blocks = conn._blocks  # noqa: SLF001
@@ -140,3 +148,66 @@ async def test_a_hung_node_costs_an_in_place_lookup_its_timeout_then_backoff(nod
     assert conn.lookup(hashes) == {"full": [True, True], "swa": [True, True]}
     stats = await wait_for_stats(node.address, lambda s: s["leases"] <= 1)
     assert stats["leases"] <= 1, stats  # the replica's one lease: the timed-out lookup's ended with its connection
+
+
+async def test_a_small_same_host_load_is_copied_in_place_and_its_lease_ends_without_another_request(
+        node_factory, connectors, monkeypatch) -> None:
+    monkeypatch.setattr("connector.worker_side.STATS_INTERVAL", 600.0)  # no stats request carries the end
+    node = node_factory("--lease-ttl", "60")  # only the client's end can end the lease within the test's bound
+    writer = connectors(node.address)
+    reader = connectors(node.address)
+    hashes = chain(4)
+    offload_chain(writer, writer._blocks, hashes)  # noqa: SLF001
+    assert reader.lookup(hashes) == {"full": [True] * 4, "swa": [True] * 4}
+    transfer = reader.load({"full": [1, 2, 3, 4], "swa": [4]}, {"full": hashes, "swa": hashes[3:]})
+    assert isinstance(transfer, CompletedTransfer)  # the bytes are in the rows already
+    assert reader.counters.loads_in_place == 1 and reader.counters.loads == 1
+    assert reader.counters.blocks_loaded == 5 and reader.counters.bytes_loaded == 5 * PAGE_BYTES
+    assert _rows(reader, "full", [1, 2, 3, 4]) == _rows(writer, "full", [1, 2, 3, 4])
+    assert _rows(reader, "swa", [4]) == _rows(writer, "swa", [4])
+    stats = await wait_for_stats(node.address, lambda s: s["leases"] == 0)  # ended by a flush: no request follows
+    assert stats["leases"] == 0 and stats["pinned_blocks"] == 0, stats
+    assert "read" not in stats["ops"], stats["ops"]
+    # the lease ended as used: the node counts its blocks (4 hashes x 2 leaves) as moved out locally
+    assert stats["bytes"]["out"]["local"] == 8 * PAGE_BYTES, stats["bytes"]
+
+
+def test_a_load_over_the_in_place_bound_is_posted(node_factory, connectors, monkeypatch) -> None:
+    monkeypatch.setattr("connector.worker_side.IN_PLACE_LOAD_BYTES", 3 * PAGE_BYTES)
+    node = node_factory()
+    conn = connectors(node.address)
+    hashes = chain(4)
+    offload_chain(conn, conn._blocks, hashes)  # noqa: SLF001
+    expected = _rows(conn, "full", [1, 2, 3, 4])
+    for leaf in conn._blocks[0]:  # noqa: SLF001
+        fill(conn._blocks, leaf, [1, 2, 3, 4], seed=5)  # noqa: SLF001
+    conn.lookup(hashes)
+    transfer = conn.load({"full": [1, 2, 3, 4]}, {"full": hashes})  # 4 pages: over the bound
+    assert not isinstance(transfer, CompletedTransfer)
+    wait(transfer)
+    assert conn.counters.loads_in_place == 0 and conn.counters.loads == 1
+    assert _rows(conn, "full", [1, 2, 3, 4]) == expected
+    conn.lookup(hashes[:3])
+    assert isinstance(conn.load({"full": [1, 2, 3]}, {"full": hashes[:3]}), CompletedTransfer)  # at the bound
+
+
+async def test_an_in_place_copy_of_reused_slots_fails_the_load_never_delivering_other_bytes(
+        node_factory, connectors, clients) -> None:
+    node = node_factory("--pool", "1MiB")
+    conn = connectors(node.address)
+    hashes = chain(2)
+    offload_chain(conn, conn._blocks, hashes)  # noqa: SLF001
+    assert conn.lookup(hashes) == {"full": [True, True], "swa": [True, True]}
+    state = conn._sched.last_lookup[0]  # noqa: SLF001
+    client = conn._clients[node.address]  # noqa: SLF001
+    # the node ends the lease behind the connector's back (its slot map stays with the client), then every
+    # slot is reused by other blocks
+    conn._loop.run(client._request({"op": "release", "lease": state.lease_id}, idempotent=True), 10)  # noqa: SLF001
+    filler = clients(node.address, namespace=conn.namespace, local=False)
+    await filler.clear()
+    keys = [BlockKey("full", 0, h) for h in chain(256)]
+    assert (await filler.write(keys, [b"\xee" * PAGE_BYTES] * len(keys))).stored == len(keys)  # the whole pool
+    transfer = conn.load({"full": [1, 2]}, {"full": hashes})
+    with pytest.raises(KVLoadFailed):  # the copy failed its checksums; the two-step read found no lease
+        wait(transfer)
+    assert conn.counters.loads_in_place == 0

@@ -15,10 +15,11 @@ SCRIPT = ROOT / "scripts" / "probe_load_phases.py"
 
 @pytest.mark.timeout(120)
 def test_the_load_phase_probe_reports_the_limits_the_phases_and_the_loop_threads_split() -> None:
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--blocks", "16", "--block-size", "16KiB", "--rounds", "2"],
+    # 32 x 16 KiB: over the bound of a load copied in place, so the load goes through the loop thread
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--blocks", "32", "--block-size", "16KiB", "--rounds", "2"],
                           cwd=ROOT, capture_output=True, text=True, timeout=110, check=False, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
-    assert "same-host load of 16 x 16.0 KiB, 2 rounds" in proc.stdout
+    assert "same-host load of 32 x 16.0 KiB, 2 rounds" in proc.stdout
     for name in ("memcpy", "copy+checksum", "lookup (start_lookup -> complete)", "whole load"):
         line = re.search(rf"^\s+{re.escape(name)}\s+([0-9.]+)\s+([0-9.]+) x memcpy$", proc.stdout, re.M)
         assert line is not None, (name, proc.stdout)
