@@ -28,7 +28,7 @@ import logging
 import mmap
 import secrets
 import socket
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 from dkv.errors import OpTimeout, TransportError
@@ -260,11 +260,12 @@ class StreamConnection:
             raise TransportError(f"connection to {self.peer} is closed")
         return self._sock
 
-    async def _bounded(self, awaitable: Awaitable[Any], timeout: float, what: str) -> Any:
+    @contextlib.contextmanager
+    def _aborting(self, what: str, timeout: float) -> Iterator[None]:
+        """A bounded wait's failures as this connection's errors: it is aborted first (timeout, cancellation, OSError)."""
         try:
-            async with asyncio.timeout(timeout):
-                return await awaitable
-        except TimeoutError as exc:
+            yield
+        except (TimeoutError, _Expired) as exc:
             self.abort()
             raise OpTimeout(f"{what} to {self.peer} timed out after {timeout:.1f}s") from exc
         except asyncio.CancelledError:
@@ -273,6 +274,11 @@ class StreamConnection:
         except OSError as exc:
             self.abort()
             raise TransportError(f"{what} with {self.peer} failed: {exc}") from exc
+
+    async def _bounded(self, awaitable: Awaitable[Any], timeout: float, what: str) -> Any:
+        with self._aborting(what, timeout):
+            async with asyncio.timeout(timeout):
+                return await awaitable
 
     async def _bounded_future(self, future: asyncio.Future[Any], timeout: float, what: str) -> Any:
         """:meth:`_bounded` for a future of this connection's: one timer, no ``asyncio.timeout``.
@@ -283,16 +289,8 @@ class StreamConnection:
         """
         timer = self._loop.call_later(timeout, _expire, future)
         try:
-            return await future
-        except _Expired:
-            self.abort()
-            raise OpTimeout(f"{what} to {self.peer} timed out after {timeout:.1f}s") from None
-        except asyncio.CancelledError:
-            self.abort()
-            raise
-        except OSError as exc:
-            self.abort()
-            raise TransportError(f"{what} with {self.peer} failed: {exc}") from exc
+            with self._aborting(what, timeout):
+                return await future
         finally:
             timer.cancel()
 

@@ -841,6 +841,11 @@ class Bench:
             client = getattr(conn, "_clients", {}).get(conn.node_address)
             if client is not None:
                 self.paths_seen[name] = "same-host" if client.uses_shared_memory else "listener"
+            counters = getattr(conn, "counters", None)
+            if counters is not None:  # how many of its lookups and loads ran on the calling thread
+                self.paths_seen[f"{name}_in_place"] = {
+                    "lookups": counters.lookups_in_place, "of_lookups": counters.lookups,
+                    "loads": counters.loads_in_place, "of_loads": counters.loads}
         except Exception:  # noqa: BLE001 - informational only
             pass
 
@@ -1045,6 +1050,7 @@ class Bench:
         self.verified[f"one_block@{format_size(size)}"] = lat_rows.matches()
         self.note_path("one_block_local", one_local)
         self.note_path("one_block_listener", one_listener)
+        self.note_path("lookup", lk_conn)
         self.drop(one_local, one_listener, lk_conn)
         self.run(writer.clear())
         self.run(lk_writer.clear())

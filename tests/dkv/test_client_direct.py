@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -37,21 +39,31 @@ async def _stored(writer: object) -> tuple[list[bytes], list[bytes]]:
     return hashes, data
 
 
-def _raw(client: object) -> NodeClient:
-    """The client behind the test's proxy: ``lookup_direct`` runs on the calling thread, as the connector calls it."""
-    return client._target  # type: ignore[attr-defined]  # noqa: SLF001
+@dataclass
+class Held:
+    """A node holding ``HELD`` blocks, and a same-host reader of it with its direct channel open."""
+
+    node: Any
+    hashes: list[bytes]
+    data: list[bytes]
+    reader: Any  # the test's proxy (coroutines on the UCX loop)
+    raw: NodeClient  # the client behind it: lookup_direct runs on the calling thread, as the connector calls it
+
+
+async def _held(node_factory: Any, clients: Any, *node_args: str, **reader_kwargs: Any) -> Held:
+    node = node_factory("--pool", "16MiB", *node_args)
+    hashes, data = await _stored(clients(node.address, local=False))
+    reader = clients(node.address, local=True, **reader_kwargs)
+    await reader.connect()
+    assert await reader.open_direct()
+    return Held(node, hashes, data, reader, reader._target)  # noqa: SLF001
 
 
 async def test_a_direct_lookup_answers_as_a_lookup_does_and_its_load_takes_no_round_trip(
         node_factory, clients, monkeypatch) -> None:
     monkeypatch.setattr("dkv.client.END_FLUSH_DELAY", 600.0)  # a loaded lease ends only with the next request
-    node = node_factory("--pool", "16MiB")
-    writer = clients(node.address, local=False)
-    hashes, data = await _stored(writer)
-    reader = clients(node.address, local=True)
-    await reader.connect()
-    assert await reader.open_direct()
-    raw = _raw(reader)
+    held = await _held(node_factory, clients)
+    node, hashes, data, reader, raw = held.node, held.hashes, held.data, held.reader, held.raw
     assert raw.direct_ready and not raw.direct_possible
 
     found = raw.lookup_direct(hashes + [os.urandom(32)], ["L", "other"], group=1)
@@ -73,13 +85,8 @@ async def test_a_direct_lookup_answers_as_a_lookup_does_and_its_load_takes_no_ro
 
 
 async def test_the_direct_channel_is_the_clients_own_connection_for_its_leases(node_factory, clients) -> None:
-    node = node_factory("--pool", "16MiB")
-    writer = clients(node.address, local=False)
-    hashes, _ = await _stored(writer)
-    reader = clients(node.address, local=True)
-    await reader.connect()
-    assert await reader.open_direct()
-    raw = _raw(reader)
+    held = await _held(node_factory, clients)
+    node, hashes, reader, raw = held.node, held.hashes, held.reader, held.raw
     generation = raw.lease_generation
     found = raw.lookup_direct(hashes, ["L"], group=1)
     assert found.lease_id is not None
@@ -101,7 +108,7 @@ async def test_a_listener_client_opens_no_direct_channel(node_factory, clients) 
     node = node_factory("--pool", "16MiB")
     reader = clients(node.address, local=False)
     await reader.connect()
-    raw = _raw(reader)
+    raw = reader._target  # noqa: SLF001
     assert not raw.direct_possible
     assert not await reader.open_direct()
     with pytest.raises(ChannelClosed):
@@ -112,13 +119,8 @@ async def test_a_direct_channel_the_node_closed_is_found_out_before_sending_and_
         node_factory, clients, monkeypatch) -> None:
     monkeypatch.setattr("dkv.client.END_FLUSH_DELAY", 600.0)
     monkeypatch.setattr("dkv.client.DIRECT_RETRY_AFTER", 0.0)
-    node = node_factory("--pool", "16MiB", "--idle-timeout", "0.5")
-    writer = clients(node.address, local=False)
-    hashes, data = await _stored(writer)
-    reader = clients(node.address, local=True)
-    await reader.connect()
-    assert await reader.open_direct()
-    raw = _raw(reader)
+    held = await _held(node_factory, clients, "--idle-timeout", "0.5")
+    node, hashes, reader, raw = held.node, held.hashes, held.reader, held.raw
     found = await reader.lookup(hashes, ["L"], group=1)  # on the loop; held by the client's pooled connection
     dests = [bytearray(BLOCK) for _ in range(HELD)]
     await reader.read(found.lease_id, [BlockKey("L", 0, h) for h in hashes], dests)
@@ -141,13 +143,8 @@ async def test_a_direct_channel_the_node_closed_is_found_out_before_sending_and_
 
 
 async def test_a_hung_node_times_a_direct_lookup_out_within_its_bound(node_factory, clients) -> None:
-    node = node_factory("--pool", "16MiB")
-    writer = clients(node.address, local=False)
-    hashes, _ = await _stored(writer)
-    reader = clients(node.address, local=True, timeout=1.0)
-    await reader.connect()
-    assert await reader.open_direct()
-    raw = _raw(reader)
+    held = await _held(node_factory, clients, timeout=1.0)
+    node, hashes, raw = held.node, held.hashes, held.raw
     node.pause()
     try:
         started = time.monotonic()
