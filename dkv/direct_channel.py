@@ -14,8 +14,9 @@ Contract:
 
 * One exchange at a time. A thread that finds the channel busy is told so at
   once (:class:`ChannelBusy`) and takes another path; it never waits for it.
-* Every exchange is bounded by its ``timeout`` overall: the socket's timeout
-  is set to what is left before each blocking call. A timeout raises
+* Every exchange is bounded by its ``timeout`` overall: the kernel's bound
+  on the socket's next send or receive (``SO_SNDTIMEO``/``SO_RCVTIMEO``) is
+  set to what is left before each blocking call. A timeout raises
   :class:`~dkv.errors.OpTimeout` (the node is hung).
 * Any failure closes the channel before it raises (a half-read reply leaves
   the stream out of step). A failure before the request was wholly written,
@@ -34,6 +35,7 @@ Contract:
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import time
 from typing import Any
@@ -42,6 +44,11 @@ from dkv.errors import OpTimeout, ProtocolError, TransportError
 from dkv.wire import HEADER_SIZE, MAX_FRAME, decode_body, decode_header, encode_body, encode_header
 
 _FIRST_READ = 64 * 1024  # the first read of a reply: a lookup's of a few hundred hashes, header and all
+_PEEK = socket.MSG_PEEK | socket.MSG_DONTWAIT  # (an enum's | costs a few µs a call: made once)
+_TIMEVAL = struct.Struct("@ll")  # struct timeval, for SO_RCVTIMEO / SO_SNDTIMEO
+# a blocking call whose kernel bound ran out fails with EAGAIN (BlockingIOError); a deadline already past
+# is a TimeoutError of our own
+_TIMED_OUT = (TimeoutError, BlockingIOError)
 
 
 class ChannelBusy(TransportError):
@@ -84,16 +91,16 @@ class DirectChannel:
             deadline = time.monotonic() + timeout
             body = encode_body(message)
             try:
-                _bounded(sock, deadline)
+                _bounded(sock, deadline, socket.SO_SNDTIMEO)
                 sock.sendall(encode_header(len(body)) + body)
             except OSError as exc:
                 self._fail()
-                if isinstance(exc, TimeoutError):
+                if isinstance(exc, _TIMED_OUT):
                     raise OpTimeout(f"send to {self.peer} timed out after {timeout:.1f}s") from exc
                 raise ChannelClosed(f"send to {self.peer} failed: {exc}") from exc
             try:
                 reply = decode_body(_receive_frame(sock, self._inbox, deadline, self.max_frame))
-            except TimeoutError as exc:
+            except _TIMED_OUT as exc:
                 self._fail()
                 raise OpTimeout(f"receive from {self.peer} timed out after {timeout:.1f}s") from exc
             except OSError as exc:
@@ -139,26 +146,30 @@ class DirectChannel:
 
 
 def _peer_closed(sock: socket.socket) -> bool:
-    """True when the node closed its end (or the socket failed); one non-blocking peek, no bytes taken.
-
-    The socket is made non-blocking first: with a timeout set (the last
-    exchange's), Python would wait for readiness up to it before the peek.
-    """
-    sock.settimeout(0.0)
+    """True when the node closed its end (or the socket failed); one non-blocking peek, no bytes taken."""
     try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        return sock.recv(1, _PEEK) == b""
     except BlockingIOError:
         return False
     except OSError:
         return True
 
 
-def _bounded(sock: socket.socket, deadline: float) -> None:
-    """Let the socket's next blocking call wait only until ``deadline`` (``TimeoutError`` once it has passed)."""
+def _bounded(sock: socket.socket, deadline: float, option: int) -> None:
+    """Let the socket's next blocking send (``SO_SNDTIMEO``) or receive (``SO_RCVTIMEO``) wait only until ``deadline``.
+
+    The kernel keeps the bound (the call then fails with ``EAGAIN``: see
+    ``_TIMED_OUT``), so the socket stays blocking: with a Python timeout
+    instead, every receive would first wait in ``poll`` and then read, which
+    measured ~15-20 µs slower per round trip here. ``TimeoutError`` once the
+    deadline has passed.
+    """
     left = deadline - time.monotonic()
     if left <= 0:
         raise TimeoutError("the exchange's time ran out")
-    sock.settimeout(left)
+    seconds = int(left)
+    micros = max(1, int((left - seconds) * 1e6)) if seconds == 0 else int((left - seconds) * 1e6)  # 0, 0: no bound
+    sock.setsockopt(socket.SOL_SOCKET, option, _TIMEVAL.pack(seconds, micros))
 
 
 def _receive_frame(sock: socket.socket, inbox: bytearray, deadline: float, max_frame: int) -> memoryview:
@@ -187,7 +198,7 @@ def _receive_frame(sock: socket.socket, inbox: bytearray, deadline: float, max_f
 def _fill(sock: socket.socket, view: memoryview, got: int, at_least: int, deadline: float) -> int:
     """Read into ``view`` from ``got`` until at least ``at_least`` bytes are in; how many are."""
     while got < at_least:
-        _bounded(sock, deadline)
+        _bounded(sock, deadline, socket.SO_RCVTIMEO)
         n = sock.recv_into(view[got:])
         if n == 0:
             raise ConnectionResetError("the node closed the connection")

@@ -1,4 +1,4 @@
-"""``scripts/probe_lookup_split.py`` in a short run: it measures all three contenders and leaves no node behind."""
+"""``scripts/probe_lookup_split.py`` in a short run: it measures every contender and leaves no node behind."""
 
 from __future__ import annotations
 
@@ -14,16 +14,17 @@ SCRIPT = ROOT / "scripts" / "probe_lookup_split.py"
 
 
 @pytest.mark.timeout(120)
-def test_the_lookup_split_probe_reports_the_connector_the_raw_client_and_the_hop() -> None:
+def test_the_lookup_split_probe_reports_both_connector_paths_both_raw_clients_and_the_hop() -> None:
     proc = subprocess.run([sys.executable, str(SCRIPT), "--hashes", "4", "--samples", "5", "--rounds", "2"],
                           cwd=ROOT, capture_output=True, text=True, timeout=110, check=False, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
     assert "leased lookup of 4 hash(es)" in proc.stdout
-    for name in ("connector", "raw_on_loop", "hop"):
+    for name in ("connector", "conn_loop", "raw_on_loop", "raw_direct", "hop"):
         line = re.search(rf"^\s+{name}\s+p50\s+([0-9.]+) µs\s+p99\s+([0-9.]+) µs$", proc.stdout, re.M)
         assert line is not None, proc.stdout
         assert 0 < float(line.group(1)) <= float(line.group(2))
-    assert "the connector adds (p50)" in proc.stdout
+    assert "the connector adds (p50)" in proc.stdout and "around the round trip in place" in proc.stdout
+    assert "ran in place" not in proc.stdout  # every timed connector lookup took the direct channel
 
 
 def test_the_lookup_split_probe_refuses_a_hash_count_out_of_range() -> None:
