@@ -405,15 +405,12 @@ class WorkerSide:
         fits = self._lookup_fits(client, len(hashes))
         try:
             result = client.lookup_direct(hashes[:fits], self.sched.leaf_names, self.sched.tp_shards, group=group)
-        except (ChannelBusy, ChannelClosed):
-            if taken:
-                self.sched.budget.give_back(address, slot)
-            return InPlace.NOT_TAKEN
-        except TransportError as exc:
-            if isinstance(exc, OpTimeout):
-                self.sched.budget.give_back(address, slot)
-                raise
-            log.debug("the direct channel to %s failed mid-lookup (%s): asking on the loop", address, exc)
+        except OpTimeout:
+            self.sched.budget.give_back(address, slot)
+            raise
+        except TransportError as exc:  # not sent (ChannelBusy, ChannelClosed), or the connection failed mid-way
+            if not isinstance(exc, (ChannelBusy, ChannelClosed)):
+                log.debug("the direct channel to %s failed mid-lookup (%s): asking on the loop", address, exc)
             if taken:
                 self.sched.budget.give_back(address, slot)
             return InPlace.NOT_TAKEN
