@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import os
 import platform
 import statistics
@@ -34,6 +35,37 @@ def wait_done(item: Any, what: str, timeout: float, error: type[BaseException] =
         if time.monotonic() > deadline:
             raise error(f"{what} did not complete within {timeout:.0f}s")
         time.sleep(0.00005)
+
+
+def chained_hashes(n: int) -> list[bytes]:
+    """``n`` prefix-chained SHA-256 block hashes (each over the one before it), the same on every call."""
+    hashes, h = [], b"\0" * 32
+    for i in range(n):
+        h = hashlib.sha256(h + i.to_bytes(4, "little")).digest()
+        hashes.append(h)
+    return hashes
+
+
+def store_through(conn: Any, leaf: str, hashes: Sequence[bytes], timeout: float) -> None:
+    """Offload rows ``1..len(hashes)`` of ``conn``'s ``leaf`` under ``hashes`` and wait until it landed."""
+    stored = conn.offload({leaf: list(range(1, len(hashes) + 1))}, {leaf: list(hashes)})
+    deadline = time.monotonic() + timeout
+    while not stored.is_complete():
+        if time.monotonic() > deadline:
+            raise SystemExit("the offload did not complete")
+        time.sleep(0.001)
+
+
+def direct_client(loop: Any, address: str, namespace: str, timeout: float) -> Any:
+    """A same-host :class:`dkv.client.NodeClient` of the node at ``address`` with its direct channel open."""
+    from dkv.client import NodeClient
+
+    client = NodeClient(address, namespace, local=True, timeout=timeout)
+    loop.run(client.connect(), timeout)
+    if not loop.run(client.open_direct(), timeout):
+        loop.run(client.close(), timeout)
+        raise SystemExit("no direct channel: the node is not on the same-host path")
+    return client
 
 
 def latency_summary_us(samples_ns: Sequence[int]) -> dict[str, Any]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import os
 import secrets
 import socket
@@ -33,6 +32,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -132,11 +132,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from bench_common import latency_summary_us
+    from bench_common import chained_hashes, direct_client, latency_summary_us, store_through
     from cluster.process import start_node, stop_process
     from connector.dkv_connector import DKVConnector
     from connector.types import full_attention
-    from dkv.client import NodeClient
     from dkv.direct_channel import DirectChannel
     from dkv.loop_thread import acquire_shared_loop, release_shared_loop
 
@@ -144,26 +143,15 @@ def main(argv: list[str] | None = None) -> int:
     node = start_node("--log-level", "WARNING", pool="64MiB", exit_with_parent=True)
     loop = acquire_shared_loop()
     writer: DKVConnector | None = None
-    client: NodeClient | None = None
+    client: Any = None
     channels: list[DirectChannel] = []
     try:
-        hashes, h = [], b"\0" * 32
-        for i in range(args.hashes):
-            h = hashlib.sha256(h + i.to_bytes(4, "little")).digest()
-            hashes.append(h)
+        hashes = chained_hashes(args.hashes)
         rows = torch.ones(args.hashes + 1, 4096, dtype=torch.uint8)
         writer = DKVConnector({"a": full_attention(0)}, [{"a": [rows]}], namespace="probe",
                               node=str(node.address), timeout=TIMEOUT)
-        stored = writer.offload({"a": list(range(1, args.hashes + 1))}, {"a": hashes})
-        deadline = time.monotonic() + TIMEOUT
-        while not stored.is_complete():
-            if time.monotonic() > deadline:
-                raise SystemExit("the offload did not complete")
-            time.sleep(0.001)
-        client = NodeClient(str(node.address), "probe", local=True, timeout=TIMEOUT)
-        loop.run(client.connect(), TIMEOUT)
-        if not loop.run(client.open_direct(), TIMEOUT):
-            raise SystemExit("no direct channel: the node is not on the same-host path")
+        store_through(writer, "a", hashes, TIMEOUT)
+        client = direct_client(loop, str(node.address), "probe", TIMEOUT)
 
         raw_sock = _connect(servers[0][1])
         request, buffer = _framed(REQUEST), bytearray(1 << 16)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import hashlib
 import os
 import pstats
 import sys
@@ -53,11 +52,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from bench_common import latency_summary_us
+    from bench_common import chained_hashes, direct_client, latency_summary_us, store_through
     from cluster.process import start_node
     from connector.dkv_connector import DKVConnector
     from connector.types import full_attention
-    from dkv.client import NodeClient
     from dkv.loop_thread import acquire_shared_loop, release_shared_loop
 
     node = start_node("--log-level", "WARNING", pool="64MiB", exit_with_parent=True)
@@ -66,25 +64,14 @@ def main(argv: list[str] | None = None) -> int:
     conn_loop: Any = None
     raw: Any = None
     try:
-        hashes, h = [], b"\0" * 32
-        for i in range(args.hashes):
-            h = hashlib.sha256(h + i.to_bytes(4, "little")).digest()
-            hashes.append(h)
+        hashes = chained_hashes(args.hashes)
         rows = torch.ones(args.hashes + 1, PAGE, dtype=torch.uint8)
         conn = DKVConnector({LEAF: full_attention(0)}, [{LEAF: [rows]}], namespace="probe", node=str(node.address),
                             timeout=TIMEOUT)
         conn_loop = DKVConnector({LEAF: full_attention(0)}, [{LEAF: [rows]}], namespace="probe",
                                  node=str(node.address), timeout=TIMEOUT, lookup_in_place=False)
-        stored = conn.offload({LEAF: list(range(1, args.hashes + 1))}, {LEAF: hashes})
-        deadline = time.monotonic() + TIMEOUT
-        while not stored.is_complete():
-            if time.monotonic() > deadline:
-                raise SystemExit("the offload did not complete")
-            time.sleep(0.001)
-        raw = NodeClient(str(node.address), "probe", local=True, timeout=TIMEOUT)
-        loop.run(raw.connect(), TIMEOUT)
-        if not loop.run(raw.open_direct(), TIMEOUT):
-            raise SystemExit("no direct channel: the node is not on the same-host path")
+        store_through(conn, LEAF, hashes, TIMEOUT)
+        raw = direct_client(loop, str(node.address), "probe", TIMEOUT)
         conn.lookup(hashes)  # asks for its direct channel
         deadline = time.monotonic() + TIMEOUT
         while conn.counters.lookups_in_place == 0:
