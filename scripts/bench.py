@@ -73,7 +73,7 @@ for _p in (str(ROOT), str(Path(__file__).resolve().parent)):
         sys.path.insert(0, _p)
 
 import bench_common  # noqa: E402
-from bench_common import die_with_parent, latency_summary_us, pid_alive  # noqa: E402
+from bench_common import die_with_parent, latency_summary_us, pid_alive, rotate  # noqa: E402
 from dkv.units import format_size, parse_size  # noqa: E402
 
 PAGE = 4096
@@ -168,11 +168,6 @@ def rate_summary(seconds: Sequence[float], nbytes: int) -> dict[str, Any]:
     gbps = [nbytes / 1e9 / s for s in seconds]
     return {"median_gbps": statistics.median(gbps), "best_gbps": max(gbps), "runs_gbps": gbps,
             "median_s": statistics.median(seconds)}
-
-
-def rotate(items: Sequence[Any], k: int) -> list[Any]:
-    k %= len(items)
-    return list(items[k:]) + list(items[:k])
 
 
 def free_port() -> int:

@@ -9,7 +9,7 @@ import platform
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -35,6 +35,27 @@ def wait_done(item: Any, what: str, timeout: float, error: type[BaseException] =
         if time.monotonic() > deadline:
             raise error(f"{what} did not complete within {timeout:.0f}s")
         time.sleep(0.00005)
+
+
+def rotate(items: Sequence[Any], k: int) -> list[Any]:
+    """``items`` rotated left by ``k``: round ``k`` of an interleaved run starts with a different contender."""
+    k %= len(items)
+    return list(items[k:]) + list(items[:k])
+
+
+def interleaved_rounds(contenders: dict[str, Callable[[], list[int]]], rounds: int) -> dict[str, list[int]]:
+    """Run every contender once a round, rotating who goes first; the first round is warm-up (dropped).
+
+    Each contender returns its samples of that round; the result has every
+    contender's samples of the timed rounds, in the contenders' order.
+    """
+    samples: dict[str, list[int]] = {name: [] for name in contenders}
+    for round_no in range(rounds):
+        for name in rotate(list(contenders), round_no):
+            got = contenders[name]()
+            if round_no:
+                samples[name] += got
+    return samples
 
 
 def chained_hashes(n: int) -> list[bytes]:

@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from bench_common import chained_hashes, direct_client, latency_summary_us, store_through
+    from bench_common import chained_hashes, direct_client, interleaved_rounds, latency_summary_us, store_through
     from cluster.process import start_node, stop_process
     from connector.dkv_connector import DKVConnector
     from connector.types import full_attention
@@ -174,17 +174,17 @@ def main(argv: list[str] | None = None) -> int:
             "direct+uvloop": lambda: to_uvloop.exchange(REQUEST, TIMEOUT),
             "node lookup": node_lookup,
         }
-        samples: dict[str, list[int]] = {name: [] for name in contenders}
-        for round_no in range(args.rounds):
-            names = list(contenders)
-            names = names[round_no % len(names):] + names[:round_no % len(names)]
-            for name in names:
-                call = contenders[name]
+        def timed(call: Callable[[], object]) -> Callable[[], list[int]]:
+            def batch() -> list[int]:
+                out = []
                 for _ in range(args.samples):
                     t0 = time.perf_counter_ns()
                     call()
-                    if round_no:
-                        samples[name].append(time.perf_counter_ns() - t0)
+                    out.append(time.perf_counter_ns() - t0)
+                return out
+            return batch
+
+        samples = interleaved_rounds({name: timed(call) for name, call in contenders.items()}, args.rounds)
         print(f"same-host control round trips, {args.rounds - 1} rounds x {args.samples}; node lookup of "
               f"{args.hashes} hash(es); load average {os.getloadavg()[0]:.2f}")
         summaries = {name: latency_summary_us(values) for name, values in samples.items()}

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import os
 import pstats
 import sys
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from bench_common import chained_hashes, direct_client, latency_summary_us, store_through
+    from bench_common import chained_hashes, direct_client, interleaved_rounds, latency_summary_us, store_through
     from cluster.process import start_node
     from connector.dkv_connector import DKVConnector
     from connector.types import full_attention
@@ -123,14 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             "raw_direct": raw_direct_lookups,
             "hop": hops,
         }
-        samples: dict[str, list[int]] = {name: [] for name in contenders}
-        for round_no in range(args.rounds):
-            names = list(contenders)
-            names = names[round_no % len(names):] + names[:round_no % len(names)]
-            for name in names:
-                got = contenders[name](args.samples)
-                if round_no:
-                    samples[name] += got
+        samples = interleaved_rounds({name: functools.partial(run, args.samples) for name, run in contenders.items()},
+                                     args.rounds)
         print(f"leased lookup of {args.hashes} hash(es), same-host, {args.rounds - 1} rounds x {args.samples}")
         summaries = {name: latency_summary_us(values) for name, values in samples.items()}
         for name, summary in summaries.items():

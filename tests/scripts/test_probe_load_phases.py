@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "probe_load_phases.py"
+from tests.scripts.script_run import outcome, run_script
+
+SCRIPT = "probe_load_phases.py"
 
 
 @pytest.mark.timeout(120)
 def test_the_load_phase_probe_reports_the_limits_the_phases_and_the_loop_threads_split() -> None:
     # 32 x 16 KiB: over the bound of a load copied in place, so the load goes through the loop thread
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--blocks", "32", "--block-size", "16KiB", "--rounds", "2"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=110, check=False, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
+    proc = run_script(SCRIPT, "--blocks", "32", "--block-size", "16KiB", "--rounds", "2", timeout=110)
+    assert proc.returncode == 0, outcome(proc)
     assert "same-host load of 32 x 16.0 KiB, 2 rounds" in proc.stdout
     for name in ("memcpy", "copy+checksum", "lookup (start_lookup -> complete)", "whole load"):
         line = re.search(rf"^\s+{re.escape(name)}\s+([0-9.]+)\s+([0-9.]+) x memcpy$", proc.stdout, re.M)
@@ -32,6 +29,5 @@ def test_the_load_phase_probe_reports_the_limits_the_phases_and_the_loop_threads
 
 
 def test_the_load_phase_probe_refuses_a_block_size_that_is_not_whole_pages() -> None:
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--block-size", "1000"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60, check=False, stdin=subprocess.DEVNULL)
+    proc = run_script(SCRIPT, "--block-size", "1000", timeout=60)
     assert proc.returncode == 2 and "multiple of 4 KiB" in proc.stderr

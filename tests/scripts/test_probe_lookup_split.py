@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "probe_lookup_split.py"
+from tests.scripts.script_run import outcome, run_script
+
+SCRIPT = "probe_lookup_split.py"
 
 
 @pytest.mark.timeout(120)
 def test_the_lookup_split_probe_reports_both_connector_paths_both_raw_clients_and_the_hop() -> None:
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--hashes", "4", "--samples", "5", "--rounds", "2"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=110, check=False, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
+    proc = run_script(SCRIPT, "--hashes", "4", "--samples", "5", "--rounds", "2", timeout=110)
+    assert proc.returncode == 0, outcome(proc)
     assert "leased lookup of 4 hash(es)" in proc.stdout
     for name in ("connector", "conn_loop", "raw_on_loop", "raw_direct", "hop"):
         line = re.search(rf"^\s+{name}\s+p50\s+([0-9.]+) µs\s+p99\s+([0-9.]+) µs$", proc.stdout, re.M)
@@ -28,6 +25,5 @@ def test_the_lookup_split_probe_reports_both_connector_paths_both_raw_clients_an
 
 
 def test_the_lookup_split_probe_refuses_a_hash_count_out_of_range() -> None:
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--hashes", "0"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60, check=False, stdin=subprocess.DEVNULL)
+    proc = run_script(SCRIPT, "--hashes", "0", timeout=60)
     assert proc.returncode == 2 and "--hashes in [1, 4096]" in proc.stderr

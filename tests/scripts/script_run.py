@@ -1,0 +1,20 @@
+"""Running one of ``scripts/`` as a user would, for the scripts' tests: a subprocess in the project root."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_script(name: str, *args: str, timeout: float = 110) -> subprocess.CompletedProcess[str]:
+    """``python scripts/<name> <args>`` from the project root, its output captured, bounded by ``timeout`` seconds."""
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / name), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, check=False, stdin=subprocess.DEVNULL)
+
+
+def outcome(proc: subprocess.CompletedProcess[str]) -> str:
+    """What a failed run printed: the exit status and the tails of both streams."""
+    return f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
