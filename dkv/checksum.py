@@ -28,7 +28,9 @@ Contract:
 
 from __future__ import annotations
 
+import operator
 import struct
+from collections.abc import Sequence
 from typing import Any
 
 import xxhash
@@ -61,6 +63,23 @@ def block_prefix(leaf: str, shard: int, block_hash: bytes, size: int) -> bytes:
     return _head(leaf, shard, size) + _HASH_LENGTH_BYTE[len(block_hash)] + block_hash
 
 
+def block_prefixes(keys: Sequence[tuple[str, int, bytes]], sizes: Sequence[int]) -> list[bytes]:
+    """:func:`block_prefix` of each ``(leaf, shard, hash)`` key with its block's size, in order.
+
+    A load's blocks usually share their leaf, shard, size and hash length:
+    their prefixes then differ only in the hash, and are built in C-speed
+    passes (one head, one concatenation per key) instead of a Python step per key.
+    """
+    if len(keys) > 1:
+        hashes = list(map(operator.itemgetter(2), keys))
+        if (len(set(map(operator.itemgetter(0), keys))) == 1 and len(set(map(operator.itemgetter(1), keys))) == 1
+                and len(set(map(len, hashes))) == 1 and len(set(sizes)) == 1):
+            leaf, shard, first = keys[0]
+            head = _head(leaf, shard, sizes[0]) + _HASH_LENGTH_BYTE[len(first)]
+            return list(map(head.__add__, hashes))
+    return [block_prefix(key[0], key[1], key[2], size) for key, size in zip(keys, sizes)]
+
+
 def block_checksum(leaf: str, shard: int, block_hash: bytes, data: Any) -> bytes:
     """The 16-byte checksum of ``data`` (any contiguous buffer) stored as ``(leaf, shard, block_hash)``."""
     view = data if type(data) is memoryview else memoryview(data)
@@ -90,4 +109,4 @@ def is_checksum(value: object) -> bool:
     return isinstance(value, bytes) and len(value) == CHECKSUM_SIZE
 
 
-__all__ = ["CHECKSUM_SIZE", "block_checksum", "block_prefix", "is_checksum", "verify"]
+__all__ = ["CHECKSUM_SIZE", "block_checksum", "block_prefix", "block_prefixes", "is_checksum", "verify"]

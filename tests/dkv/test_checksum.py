@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from dkv.checksum import CHECKSUM_SIZE, block_checksum, verify
+from dkv.checksum import CHECKSUM_SIZE, block_checksum, block_prefix, block_prefixes, verify
 from dkv.errors import ProtocolError
 from dkv.wire import check_request
 
@@ -110,3 +110,18 @@ def test_a_strided_buffer_is_refused() -> None:
         block_checksum("L", 0, H32, strided)
     with pytest.raises(ValueError, match="contiguous"):
         block_checksum("L", 0, H32, np.frombuffer(DATA, dtype=np.uint8).reshape(16, -1)[:, ::2])
+
+
+def test_prefixes_of_a_run_equal_each_keys_own_prefix_whether_or_not_the_run_is_uniform() -> None:
+    uniform = [("L", 0, bytes([i]) * 32) for i in range(40)]
+    cases = [
+        (uniform, [4096] * 40),
+        (uniform[:1], [4096]),
+        ([], []),
+        (uniform, [4096] * 39 + [8192]),  # one size differs
+        (uniform[:5] + [("M", 0, b"\x07" * 32)], [4096] * 6),  # one leaf differs
+        (uniform[:5] + [("L", 1, b"\x07" * 32)], [4096] * 6),  # one shard differs
+        (uniform[:5] + [("L", 0, b"\x07" * 8)], [4096] * 6),  # one hash length differs
+    ]
+    for keys, sizes in cases:
+        assert block_prefixes(keys, sizes) == [block_prefix(k[0], k[1], k[2], n) for k, n in zip(keys, sizes)]
