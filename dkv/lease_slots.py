@@ -23,9 +23,9 @@ copy while it is in cache, with XXH3's AVX2 code where the CPU has it.
 Without it (:data:`dkv.native.NATIVE` false) the copy runs in Python, where
 a block of at least ``GIL_FREE_COPY_MIN`` bytes is copied and hashed without the GIL and
 a smaller one only copied without it. A copy of at least
-``PARALLEL_COPY_MIN`` bytes of blocks hashed without the GIL is split by
-bytes across ``COPY_THREADS`` threads, each copying and checking its own
-blocks. Both give the same checksums (:func:`dkv.checksum.block_checksum`).
+``PARALLEL_COPY_MIN`` bytes of blocks hashed without the GIL is cut into
+chunks of consecutive blocks that the ``COPY_THREADS`` copy threads take
+in turn (:mod:`dkv.copy_threads`). Both give the same checksums (:func:`dkv.checksum.block_checksum`).
 """
 
 from __future__ import annotations
@@ -33,15 +33,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import numpy as np
 
-from dkv import native
+from dkv import copy_threads, native
 from dkv.arena import SegmentMapping
 from dkv.checksum import CHECKSUM_SIZE
-from dkv.checksum import block_checksum, block_prefix
+from dkv.checksum import block_checksum, block_prefixes
+from dkv.copy_threads import COPY_THREADS, ChunkedCopy
 from dkv.errors import ProtocolError
 
 _native_copy_and_checksum = native.copy_and_checksum  # None: the Python copy below
@@ -54,11 +55,10 @@ OFF_LOOP_COPY_MIN = 1 << 20
 # would copy a small block with less overhead than numpy, but it holds the GIL: a thread copying many
 # small blocks would then keep the scheduler thread waiting for a whole switch interval.
 GIL_FREE_COPY_MIN = 128 * 1024
-# Copies of at least this many bytes, of blocks copied and hashed without the GIL, are split across
-# COPY_THREADS threads: the copy and its checksum are most of a large same-host load. Smaller blocks
-# would only take turns at the GIL.
+# Copies of at least this many bytes, of blocks copied and hashed without the GIL, are shared by the
+# COPY_THREADS copy threads, chunk by chunk: the copy and its checksum are most of a large same-host
+# load. Smaller blocks would only take turns at the GIL.
 PARALLEL_COPY_MIN = 4 << 20
-COPY_THREADS = 2
 # Loads of at most this many keys are planned a Python step per key: numpy's fixed cost per array pass
 # (a dozen passes, a few µs each) is most of a one-block load's plan.
 FEW_KEYS = 8
@@ -197,31 +197,73 @@ class LeaseSlots:
 
         False leaves the views holding garbage: the caller must read the blocks
         the two-step way (or fail). Nothing writes into the views after this
-        returns.
+        returns or raises (a cancelled copy first waits for the chunks being
+        copied). A copy of at least :data:`OFF_LOOP_COPY_MIN` bytes runs on
+        the copy threads (:meth:`start_copy`), a smaller one here.
         """
-        sizes = [view.nbytes for view in views]
-        total = sum(sizes)
-        if total < OFF_LOOP_COPY_MIN:
+        if sum(view.nbytes for view in views) < OFF_LOOP_COPY_MIN:
             return self.copy_here(keys, views)
-        plan = self._plan(keys, sizes)
-        if plan is None:
-            return False
-        offsets, sums = plan
-        loop = asyncio.get_running_loop()
-        gil_free = total >= PARALLEL_COPY_MIN and (
-            _native_copy_and_checksum is not None or min(sizes) >= GIL_FREE_COPY_MIN)
-        parts = _split_by_bytes(len(sizes), sizes, COPY_THREADS if gil_free else 1)
-        copies = [loop.run_in_executor(None, self._copy_and_verify, keys[part], views[part], offsets[part],
-                                       sums[part.start * CHECKSUM_SIZE: part.stop * CHECKSUM_SIZE])
-                  for part in parts]
+        copy = self.start_copy(len(keys), sum(view.nbytes for view in views), lambda: (keys, views))
+        done = asyncio.wrap_future(copy.done)
         try:
-            return all(await asyncio.shield(asyncio.gather(*copies)))
+            return await asyncio.shield(done)
         except asyncio.CancelledError:
-            # the caller is told the views are done with once this raises: every copy must have ended
-            while not all(copy.done() for copy in copies):
+            copy.cancel()  # no chunk starts from here on; those being copied end before this raises
+            while not done.done():
                 with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.wait(copies)
+                    await asyncio.wait([done])
             raise
+
+    def start_copy(self, count: int, nbytes: int,
+                   prepare: Callable[[], tuple[Sequence[Any], Sequence[memoryview]]]) -> ChunkedCopy:
+        """Any thread: :meth:`copy` of ``count`` blocks (``nbytes`` in all) on the copy threads; this thread only posts it.
+
+        ``prepare()`` gives the keys and views. It runs on a copy thread, with
+        the plan, so that a caller who must not wait leaves that work there
+        too; an exception it raises resolves the copy's ``done`` to it. The
+        returned copy's ``done`` resolves as :meth:`copy` answers. A copy of
+        at least :data:`PARALLEL_COPY_MIN` bytes of blocks copied and hashed
+        without the GIL is cut into chunks (:func:`dkv.copy_threads.chunk_bounds`),
+        which every copy thread takes once it is planned; a smaller one is
+        one chunk.
+        """
+        copy = ChunkedCopy()
+        gil_free = nbytes >= PARALLEL_COPY_MIN and (
+            _native_copy_and_checksum is not None or nbytes >= GIL_FREE_COPY_MIN * count)
+        bounds = copy_threads.chunk_bounds(count, nbytes) if gil_free else [0, count] if count else [0]
+        copy_threads.submit(self._plan_and_copy, copy, bounds, prepare)
+        return copy
+
+    def _plan_and_copy(self, copy: ChunkedCopy, bounds: list[int],
+                       prepare: Callable[[], tuple[Sequence[Any], Sequence[memoryview]]]) -> None:
+        """A copy thread: plan ``copy`` whole, then copy its chunks with the copy threads it wakes for them.
+
+        The plan (and each block's checksum prefix) is made once, here, so
+        that a chunk costs a slice and a native call: made per chunk, their
+        Python held the GIL long enough to halve a 64 KiB load's rate.
+        """
+        try:
+            keys, views = prepare()
+            sizes = [view.nbytes for view in views]
+            plan = self._plan(keys, sizes) if len(sizes) == bounds[-1] else None
+            prefixes = block_prefixes(keys, sizes) if plan is not None and _native_copy_and_checksum else None
+        except BaseException as exc:  # noqa: BLE001 - reported through copy.done
+            copy.give_up(exc)
+            return
+        if plan is None:
+            copy.give_up()
+            return
+        offsets, sums = plan
+
+        def copy_chunk(start: int, stop: int) -> bool:
+            return self._copy_and_verify(keys[start:stop], views[start:stop], offsets[start:stop],
+                                         sums[start * CHECKSUM_SIZE:stop * CHECKSUM_SIZE],
+                                         prefixes[start:stop] if prefixes is not None else None)
+
+        copy.start(bounds, copy_chunk)
+        for _ in range(min(COPY_THREADS, len(bounds) - 1) - 1):
+            copy_threads.submit(copy.work)
+        copy.work()
 
     def copy_here(self, keys: Sequence[Any], views: Sequence[memoryview]) -> bool:
         """:meth:`copy` on the calling thread, whatever the size (any thread; meant for small copies).
@@ -236,10 +278,14 @@ class LeaseSlots:
         return self._copy_and_verify(keys, views, offsets, sums)
 
     def _copy_and_verify(self, keys: Sequence[Any], views: Sequence[memoryview], offsets: Sequence[int],
-                         sums: bytes) -> bool:
-        """Copy each key's slot into its view; True when the copied bytes' checksums are ``sums`` (key order)."""
+                         sums: bytes, prefixes: Sequence[bytes] | None = None) -> bool:
+        """Copy each key's slot into its view; True when the copied bytes' checksums are ``sums`` (key order).
+
+        ``prefixes``: the keys' checksum prefixes, where the caller made them already (the native copy uses them).
+        """
         if _native_copy_and_checksum is not None:
-            prefixes = [block_prefix(key[0], key[1], key[2], view.nbytes) for key, view in zip(keys, views)]
+            if prefixes is None:
+                prefixes = block_prefixes(keys, [view.nbytes for view in views])
             return _native_copy_and_checksum(self.mapping.view, views, offsets, prefixes) == sums
         segment = np.frombuffer(self.mapping.view, dtype=np.uint8)  # sliced per block: no buffer export per block
         got = []
@@ -249,17 +295,3 @@ class LeaseSlots:
                 np.copyto(np.frombuffer(view, dtype=np.uint8), segment[offset: offset + size])
             got.append(block_checksum(key[0], key[1], key[2], view))
         return b"".join(got) == sums  # one comparison: a mismatch anywhere fails the whole copy
-
-
-def _split_by_bytes(count: int, sizes: Sequence[int], parts: int) -> list[slice]:
-    """At most ``parts`` consecutive slices of ``range(count)``, each about an equal share of ``sum(sizes)``."""
-    if parts <= 1 or count <= 1:
-        return [slice(0, count)]
-    share = sum(sizes) / parts
-    cuts, running = [0], 0
-    for i, size in enumerate(sizes):
-        running += size
-        if len(cuts) < parts and running >= share * len(cuts) and i + 1 < count:
-            cuts.append(i + 1)
-    cuts.append(count)
-    return [slice(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]

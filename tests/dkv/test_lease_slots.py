@@ -13,7 +13,7 @@ import pytest
 
 from dkv.checksum import block_checksum
 from dkv.errors import ProtocolError
-from dkv.lease_slots import COPY_THREADS, FEW_KEYS, OFF_LOOP_COPY_MIN, PARALLEL_COPY_MIN, LeaseSlots, _split_by_bytes
+from dkv.lease_slots import COPY_THREADS, FEW_KEYS, OFF_LOOP_COPY_MIN, PARALLEL_COPY_MIN, LeaseSlots
 
 BLOCK = 1 << 20  # at OFF_LOOP_COPY_MIN: copied on a worker thread
 
@@ -91,8 +91,8 @@ async def test_a_cancelled_copy_writes_nothing_into_the_views_after_the_cancella
     assert [bytes(d) for d in dests] == after, "bytes landed in the caller's buffers after the copy was cancelled"
 
 
-async def test_a_copy_split_across_threads_is_delivered_whole_and_fails_when_any_part_fails() -> None:
-    n = PARALLEL_COPY_MIN // BLOCK + 2  # over the split threshold: COPY_THREADS parts
+async def test_a_copy_shared_by_the_copy_threads_is_delivered_whole_and_fails_when_any_chunk_fails() -> None:
+    n = PARALLEL_COPY_MIN // BLOCK + 2  # over the sharing threshold: one chunk a block, taken by both threads
     assert COPY_THREADS > 1 and n * BLOCK >= PARALLEL_COPY_MIN
     mapping, hashes, sums = _stored(n)
     slots = _slots(mapping, hashes, sums)
@@ -100,13 +100,31 @@ async def test_a_copy_split_across_threads_is_delivered_whole_and_fails_when_any
     dests = [bytearray(BLOCK) for _ in hashes]
     assert await slots.copy(keys, [memoryview(d) for d in dests]) is True
     assert [bytes(d) for d in dests] == [bytes(mapping.slot(i * BLOCK, BLOCK)) for i in range(n)]
-    for reused in (0, n - 1):  # a slot in the first part, then in the last
+    for reused in (0, n - 1):  # a slot in the first chunk, then in the last
         mapping.data[reused * BLOCK + 5] ^= 0xFF
         assert await slots.copy(keys, [memoryview(d) for d in dests]) is False
         mapping.data[reused * BLOCK + 5] ^= 0xFF
 
 
-async def test_a_cancelled_split_copy_waits_for_every_part(monkeypatch) -> None:
+async def test_both_copy_threads_take_chunks_of_one_copy(monkeypatch) -> None:
+    n = PARALLEL_COPY_MIN // BLOCK + 2
+    mapping, hashes, sums = _stored(n)
+    slots = _slots(mapping, hashes, sums)
+    threads: set[int] = set()
+    real = LeaseSlots._copy_and_verify
+
+    def noted_copy(self: LeaseSlots, keys: Any, *plan: Any) -> bool:
+        threads.add(threading.get_ident())
+        time.sleep(0.05)  # long enough for the other thread to take a chunk meanwhile
+        return real(self, keys, *plan)
+
+    monkeypatch.setattr(LeaseSlots, "_copy_and_verify", noted_copy)
+    dests = [bytearray(BLOCK) for _ in hashes]
+    assert await slots.copy([("L", 0, h) for h in hashes], [memoryview(d) for d in dests]) is True
+    assert len(threads) == COPY_THREADS and threading.get_ident() not in threads
+
+
+async def test_a_cancelled_shared_copy_waits_for_every_chunk_being_copied_and_starts_no_other(monkeypatch) -> None:
     n = PARALLEL_COPY_MIN // BLOCK + 2
     mapping, hashes, sums = _stored(n)
     slots = _slots(mapping, hashes, sums)
@@ -115,7 +133,7 @@ async def test_a_cancelled_split_copy_waits_for_every_part(monkeypatch) -> None:
 
     def slow_copy(self: LeaseSlots, keys: Any, *plan: Any) -> bool:
         started.append(len(keys))
-        time.sleep(0.3 * len(started))  # the parts end at different times
+        time.sleep(0.3 * len(started))  # the chunks end at different times
         result = real(self, keys, *plan)
         finished.append(len(keys))
         return result
@@ -128,19 +146,27 @@ async def test_a_cancelled_split_copy_waits_for_every_part(monkeypatch) -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert len(finished) == COPY_THREADS, "the cancellation was raised while a part was still copying"
-    assert sum(finished) == n
+    assert len(finished) == len(started), "the cancellation was raised while a chunk was still copying"
+    await asyncio.sleep(0.5)
+    assert len(started) == len(finished) < n, "a chunk was started after the copy was cancelled"
 
 
-def test_copies_are_split_into_consecutive_parts_of_about_equal_bytes() -> None:
-    assert _split_by_bytes(10, [1] * 10, 2) == [slice(0, 5), slice(5, 10)]
-    assert _split_by_bytes(3, [10, 1, 1], 2) == [slice(0, 1), slice(1, 3)]
-    assert _split_by_bytes(1, [5], 2) == [slice(0, 1)]
-    assert _split_by_bytes(4, [1] * 4, 1) == [slice(0, 4)]
-    for count, parts in ((7, 3), (256, 2), (5, 8)):
-        cut = _split_by_bytes(count, [3] * count, parts)
-        assert cut[0].start == 0 and cut[-1].stop == count and len(cut) <= parts
-        assert all(a.stop == b.start for a, b in zip(cut, cut[1:]))
+async def test_a_copy_whose_keys_and_views_cannot_be_made_reports_the_error_and_copies_nothing() -> None:
+    mapping, hashes, sums = _stored(1)
+    slots = _slots(mapping, hashes, sums)
+
+    def broken() -> Any:
+        raise RuntimeError("no views")
+
+    copy = slots.start_copy(1, BLOCK, broken)
+    with pytest.raises(RuntimeError, match="no views"):
+        copy.done.result(timeout=30)
+    dest = bytearray(BLOCK)
+    missing = slots.start_copy(1, BLOCK, lambda: ([("L", 0, b"\x09" * 32)], [memoryview(dest)]))  # not leased
+    assert missing.done.result(timeout=30) is False
+    wrong_count = slots.start_copy(2, 2 * BLOCK, lambda: ([("L", 0, hashes[0])], [memoryview(dest)]))
+    assert wrong_count.done.result(timeout=30) is False
+    assert dest == bytearray(BLOCK)
 
 
 async def test_a_load_in_any_key_order_across_leaves_and_shards_gets_each_keys_own_slot() -> None:

@@ -1,0 +1,159 @@
+"""The process's copy threads: checked same-host copies, cut into chunks the threads take in turn.
+
+A large same-host load is a checked memcpy out of the node's segment (see
+:mod:`dkv.lease_slots`). It runs here, off both the event loop and the
+engine's scheduler thread, on :data:`COPY_THREADS` threads the process shares.
+
+One copy is a :class:`ChunkedCopy`: its chunks (consecutive blocks, at
+least :data:`CHUNK_BYTES` each, at most :data:`CHUNKS` of them) are taken one at a time by whichever thread works
+on it, so two threads share it by what each managed to copy, not by a split
+decided in advance (one thread that starts late, or shares its core with
+the loop, no longer leaves the other idle at the end). No thread waits for
+another: the thread that finishes the last chunk settles the copy's future.
+
+Any thread may start work here (:func:`submit`); the threads are made on
+first use, again in a forked child (a pool inherited over ``fork`` has no
+threads behind it), and are joined at interpreter exit after the work they
+hold.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+COPY_THREADS = 2  # the copy and its checksum are most of a large same-host load; more would only share two cores
+CHUNK_BYTES = 1 << 20  # a chunk at least: enough to amortise its Python (keys, views, plan: tens of µs) and native call
+CHUNKS = 16  # a copy is cut into at most this many chunks: enough to even out two threads' shares
+
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_pid = -1
+_pool_lock = threading.Lock()
+
+
+def submit(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+    """Any thread: run ``fn(*args)`` on a copy thread."""
+    global _pool, _pool_pid
+    pool = _pool
+    if pool is None or _pool_pid != os.getpid():
+        with _pool_lock:
+            if _pool is None or _pool_pid != os.getpid():
+                _pool = concurrent.futures.ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="dkv-copy")
+                _pool_pid = os.getpid()
+            pool = _pool
+    return pool.submit(fn, *args)
+
+
+def chunk_bounds(count: int, nbytes: int) -> list[int]:
+    """Where the chunks of a copy of ``count`` blocks (``nbytes`` in all) start, and the end: ``[0, ..., count]``.
+
+    Consecutive blocks, as many a chunk as make :data:`CHUNK_BYTES` (at
+    least one) or ``count / CHUNKS``, whichever is more.
+    """
+    if count <= 0:
+        return [0]
+    per = max(1, -(-count // CHUNKS), count * CHUNK_BYTES // max(nbytes, 1))
+    return [*range(0, count, per), count]
+
+
+class ChunkedCopy:
+    """One copy cut into chunks; the threads that :meth:`work` on it take them in turn.
+
+    Made before its chunks are known (the planning runs on a copy thread
+    too), so that it can be cancelled from the start. The thread that plans
+    it calls :meth:`start` with the chunks (or :meth:`give_up`), then
+    :meth:`work`; other threads may :meth:`work` on it as well.
+    ``copy_chunk(start, stop)`` copies buffers ``start:stop`` and answers
+    whether they verified.
+
+    :attr:`done` resolves to True when every chunk verified; to False when
+    one did not, when the copy was given up or :meth:`cancel`-led; to the
+    first exception a chunk raised. It resolves only once no chunk is being
+    copied, and nothing of this copy is copied after that.
+    """
+
+    def __init__(self) -> None:
+        self.done: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        self._lock = threading.Lock()
+        self._bounds: Sequence[int] = ()
+        self._copy_chunk: Callable[[int, int], bool] | None = None
+        self._chunks = 0
+        self._ready = False  # start() has set the chunks
+        self._next = itertools.count()  # next() under the lock: each chunk is taken by one thread
+        self._started = 0  # chunks taken so far
+        self._ended = 0  # chunks whose copy returned or raised
+        self._stopped = False  # no chunk is taken any more: failed, given up or cancelled
+        self._ok = True
+        self._error: BaseException | None = None
+        self._settled = False
+
+    def start(self, bounds: Sequence[int], copy_chunk: Callable[[int, int], bool]) -> None:
+        """The planning thread: the chunks' bounds (as :func:`chunk_bounds` gives them) and how to copy one."""
+        with self._lock:
+            self._bounds, self._copy_chunk = bounds, copy_chunk
+            self._chunks = max(len(bounds) - 1, 0)
+            self._ready = True
+            empty = not self._chunks
+        if empty:
+            self._settle()
+
+    def give_up(self, error: BaseException | None = None) -> None:
+        """The planning thread: nothing will be copied (``error``: why, raised through :attr:`done`)."""
+        with self._lock:
+            self._stopped, self._ok = True, False
+            if self._error is None:
+                self._error = error
+        self._settle()
+
+    def cancel(self) -> None:
+        """Any thread: start no further chunk; :attr:`done` resolves (False) once the chunks being copied end."""
+        with self._lock:
+            self._stopped = True
+            idle = self._started == self._ended
+        if idle:
+            self._settle()
+
+    def work(self) -> None:
+        """A copy thread: copy chunks until none is left (or the copy failed, or was cancelled)."""
+        while True:
+            with self._lock:
+                if self._stopped or not self._ready:
+                    return
+                index = next(self._next)
+                if index >= self._chunks:
+                    return
+                self._started += 1
+                copy_chunk, start, stop = self._copy_chunk, self._bounds[index], self._bounds[index + 1]
+            ok, error = False, None
+            try:
+                ok = bool(copy_chunk(start, stop))  # type: ignore[misc]
+            except BaseException as exc:  # noqa: BLE001 - reported through done
+                error = exc
+            with self._lock:
+                self._ended += 1
+                if error is not None and self._error is None:
+                    self._error = error
+                if not ok:
+                    self._ok = False
+                    self._stopped = True  # the copy has failed: the chunks left would be wasted
+                last = self._ended == self._started and (self._stopped or self._ended == self._chunks)
+            if last:
+                self._settle()
+                return
+
+    def _settle(self) -> None:
+        with self._lock:
+            if self._settled:
+                return
+            self._settled = True
+            error = self._error
+            ok = self._ok and self._ready and self._ended == self._chunks
+        if self.done.set_running_or_notify_cancel():
+            if error is not None:
+                self.done.set_exception(error)
+            else:
+                self.done.set_result(ok)
