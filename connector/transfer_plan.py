@@ -56,6 +56,11 @@ class TransferPlan:
                 keys += block_keys(run.leaf, shard, run.hashes)
         return keys
 
+    @property
+    def block_count(self) -> int:
+        """Blocks over every leaf and shard: the length of :meth:`keys`."""
+        return sum(len(run.block_ids) * len(run.shards) for run in self.runs)
+
     def row_groups(self) -> RowGroups:
         """One ``(shard tensor, block ids)`` per leaf and shard: their rows, in the order of :meth:`keys`."""
         return [(tensor, run.block_ids) for run in self.runs for tensor in run.shards]

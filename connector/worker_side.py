@@ -37,6 +37,7 @@ from connector.transfer_plan import TransferPlan
 from connector.types import ByteCount, CompletedTransfer, KVLoadFailed
 from connector.lease_budget import Slot
 from dkv.client import LookupResult, NodeClient
+from dkv.copy_threads import ChunkedCopy
 from dkv.lease_slots import LeaseSlots
 from dkv.direct_channel import ChannelBusy, ChannelClosed
 from dkv.errors import ChecksumMismatch, OpTimeout, TransportError
@@ -55,7 +56,8 @@ MAX_BACKGROUND = 64  # fire-and-forget touches in flight at once; more are dropp
 MAX_BOOKED = 1024
 MAX_QUEUED_RELEASES = 1024  # lease releases waiting per node (a node ends a client's oldest lease past 64 anyway)
 # a same-host load of at most this many bytes into CPU rows is copied on the scheduler thread (load_in_place):
-# a checked copy of this size (~30 µs) costs less than the two thread hops of posting it
+# a checked copy of this size (~30 µs) costs less than the two thread hops of posting it; a larger one is
+# posted straight to the copy threads
 IN_PLACE_LOAD_BYTES = 256 * 1024
 
 
@@ -205,6 +207,7 @@ class WorkerSide:
         # (their slot maps taken): a lookup runs in place only while the two are equal (see lookup_in_place)
         self._local_loads_posted = 0
         self._local_loads_begun = 0
+        self._copies: set[ChunkedCopy] = set()  # loads copying on the copy threads (load_in_place): waited for at close
 
     # ---- start, clients --------------------------------------------------------------------------
 
@@ -516,44 +519,129 @@ class WorkerSide:
         self._book(transfer)
         return transfer
 
-    def load_in_place(self, state: LeaseState, plan: TransferPlan) -> CompletedTransfer | None:
-        """Scheduler thread: a small same-host load copied on this thread; ``None`` when it must be posted instead.
+    def load_in_place(self, state: LeaseState, plan: TransferPlan) -> CompletedTransfer | Transfer | None:
+        """Scheduler thread: a same-host load copied without the loop thread; ``None`` when it must be posted instead.
 
-        Only a load of at most ``IN_PLACE_LOAD_BYTES`` from the co-located
-        node into rows the copy engine fills in place (CPU tensors), whose
-        lease's slot map this client holds: it is claimed, copied and checked
-        here (:meth:`dkv.client.NodeClient.read_here`: tens of µs, no round
-        trip, no hop to the loop thread and back), the lease's end is queued
-        for the next request (or a flush the loop thread sends shortly), and
-        the load is booked as :meth:`_read` books one. A copy that does not
-        verify (a slot map that lapsed, a slot reused) is posted as a read
-        the two-step way, as the loop thread would do with it.
+        Only a load from the co-located node into rows the copy engine fills
+        in place (CPU tensors), whose lease's slot map this client holds: it
+        is claimed here, then copied and checked without a round trip and
+        without a hop through the loop thread:
+        - at most ``IN_PLACE_LOAD_BYTES``: right here
+          (:meth:`dkv.client.NodeClient.read_here`: tens of µs), and the load
+          is returned completed;
+        - larger: on the copy threads (:meth:`dkv.client.NodeClient.start_read_here`):
+          this thread only posts it (its keys, views and plan are made
+          there), and the returned transfer completes when the thread that
+          copies its last chunk has checked it.
+        Either way the lease's end is queued for the next request (or a
+        flush the loop thread sends shortly), and the load is booked as
+        :meth:`_read` books one. A copy that does not verify (a slot map that
+        lapsed, a slot reused) is read the two-step way on the loop thread,
+        as :meth:`_read` would do with it.
         """
-        if (not self._in_place or state.peer or state.lease_id is None or plan.nbytes > IN_PLACE_LOAD_BYTES
-                or self.copy[plan.device].staged or self.closed):
+        if (not self._in_place or state.peer or state.lease_id is None or self.copy[plan.device].staged
+                or self.closed):
             return None
         client = self.clients.get(state.address)
         slots = client.claim_slots(state.lease_id) if client is not None else None
         if slots is None:
             return None
-        sched = self.sched
+        assert client is not None
+        if plan.nbytes > IN_PLACE_LOAD_BYTES:
+            return self._load_on_copy_threads(state, plan, client, slots)
         keys = plan.keys()
         started = time.perf_counter()
         targets, _ = self.copy[plan.device].load_targets(plan.row_groups())
         try:
-            done = client.read_here(state.lease_id, keys, targets, slots)  # type: ignore[union-attr]
+            done = client.read_here(state.lease_id, keys, targets, slots)
         except Exception:  # noqa: BLE001 - a copy that could not run: the loop reads it the two-step way
             log.debug("an in-place load failed before its copy; posted instead", exc_info=True)
             done = False
         if not done:
             return None
-        if client.end_later(state.lease_id):  # type: ignore[union-attr]
-            self.call_soon(client.flush_ends_soon)  # type: ignore[union-attr]
-        sched.budget.give_back_lease(state.address, state.lease_id)
-        sched.count(loads=1, loads_in_place=1, blocks_loaded=len(keys), bytes_loaded=plan.nbytes)
+        self._landed_in_place(state, plan, client, started, posted=False)
+        return CompletedTransfer()
+
+    def _load_on_copy_threads(self, state: LeaseState, plan: TransferPlan, client: TrackedClient,
+                              slots: LeaseSlots) -> Transfer | None:
+        """Scheduler thread: :meth:`load_in_place` of a load too large to copy here (see there)."""
+        engine = self.copy[plan.device]
+        _, finish = engine.load_targets([])  # CPU rows are filled in place: a finisher that only says so
+        started = time.perf_counter()
+
+        def prepare() -> tuple[list[Any], list[Any]]:  # a copy thread
+            return plan.keys(), engine.load_targets(plan.row_groups())[0]
+
+        copy = client.start_read_here(plan.block_count, plan.nbytes, prepare, slots)
+        if copy is None:
+            return None
+        future: concurrent.futures.Future[Completion | None] = concurrent.futures.Future()
+        with self._tasks_lock:
+            self.tasks.add(future)
+            self._copies.add(copy)
+        future.add_done_callback(self._forget)
+
+        def landed(done: concurrent.futures.Future[bool]) -> None:  # the copy thread that ended it (or this one)
+            with self._tasks_lock:
+                self._copies.discard(copy)
+            error = None if done.cancelled() else done.exception()
+            if not done.cancelled() and error is None and done.result():
+                self._landed_in_place(state, plan, client, started, posted=True)
+                if future.set_running_or_notify_cancel():
+                    future.set_result(finish())
+                return
+            if error is not None:
+                log.debug("a load on the copy threads failed; read the two-step way", exc_info=error)
+            self._read_after_all(state, plan, future)
+
+        copy.done.add_done_callback(landed)
+        self.sched.count(loads=1)
+        transfer = Transfer(future, is_load=True)
+        self._book(transfer)
+        return transfer
+
+    def _read_after_all(self, state: LeaseState, plan: TransferPlan,
+                        future: concurrent.futures.Future[Completion | None]) -> None:
+        """Any thread: a load whose copy without the loop did not verify, read the two-step way; ``future`` reports it."""
+        if future.cancelled():
+            return
+        try:
+            if self.closed:
+                raise RuntimeError("the connector is shut down")
+            reading = self.submit(self._read_with(state, plan, None))
+        except Exception as exc:  # noqa: BLE001 - reported through the load's future
+            self.sched.count_load_failure(None)
+            self.release(state)
+            if future.set_running_or_notify_cancel():
+                future.set_exception(KVLoadFailed(f"could not post the load: {exc}"))
+            return
+
+        def report(read: concurrent.futures.Future[Completion | None]) -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            if read.cancelled():
+                future.set_exception(KVLoadFailed("the load was cancelled"))
+            elif read.exception() is not None:
+                future.set_exception(read.exception())  # type: ignore[arg-type]
+            else:
+                future.set_result(read.result())
+
+        reading.add_done_callback(report)
+
+    def _landed_in_place(self, state: LeaseState, plan: TransferPlan, client: NodeClient, started: float, *,
+                         posted: bool) -> None:
+        """Any thread: a load copied without the loop thread landed: its lease ends soon, and it is counted.
+
+        ``posted``: the load was counted in ``loads`` when it was posted to the copy threads.
+        """
+        if client.end_later(state.lease_id):  # type: ignore[arg-type]
+            self.call_soon(client.flush_ends_soon)
+        sched = self.sched
+        sched.budget.give_back_lease(state.address, state.lease_id)  # type: ignore[arg-type]
+        sched.count(loads=int(not posted), loads_in_place=1, blocks_loaded=sum(
+            len(run.block_ids) * len(run.shards) for run in plan.runs), bytes_loaded=plan.nbytes)
         sched.observe_load(False, time.perf_counter() - started)
         sched.add_metrics(h2d_bytes_copied=plan.nbytes)
-        return CompletedTransfer()
 
     def _claim_slots(self, state: LeaseState) -> LeaseSlots | None:
         """Loop thread, first thing in a load: take its lease's slot map, and count the load as begun. Never raises.
@@ -571,7 +659,10 @@ class WorkerSide:
 
     async def _read(self, state: LeaseState, plan: TransferPlan) -> Completion:
         """Loop thread: read a lease's blocks into the plan's rows (the read ends the lease on the node)."""
-        slots = self._claim_slots(state)
+        return await self._read_with(state, plan, self._claim_slots(state))
+
+    async def _read_with(self, state: LeaseState, plan: TransferPlan, slots: LeaseSlots | None) -> Completion:
+        """Loop thread: :meth:`_read` with the lease's slot map already taken (``None``: none, or used up)."""
         sched = self.sched
         keys = plan.keys()
         targets, finish = self.copy[plan.device].load_targets(plan.row_groups())
@@ -855,7 +946,12 @@ class WorkerSide:
             owned = [f for f in self.tasks if not f.done()]
         for future in owned:
             future.cancel()
+        with self._tasks_lock:
+            copies = list(self._copies)
+        for copy in copies:
+            copy.cancel()  # no chunk starts from here on: the rows are written no more once these settle
         await asyncio.gather(*(asyncio.wrap_future(f) for f in owned), return_exceptions=True)
+        await asyncio.gather(*(asyncio.wrap_future(c.done) for c in copies), return_exceptions=True)
         workers = [t for t in (self._sweeper, self._resetter, *self._releasers.values()) if t is not None]
         for worker in workers:
             worker.cancel()

@@ -24,6 +24,7 @@ Every public coroutine is bounded by ``timeout``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -40,6 +41,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 from dkv.arena import SegmentMapping, align_up
 from dkv.checksum import CHECKSUM_SIZE, block_checksum, is_checksum
 from dkv.checksum import verify as checksum_matches
+from dkv.copy_threads import ChunkedCopy
 from dkv.credentials import read_local_credential
 from dkv.direct_channel import ChannelBusy, ChannelClosed, DirectChannel
 from dkv.errors import (
@@ -732,12 +734,47 @@ class NodeClient:
         not cover, a copy that failed its checksums); read them with
         :meth:`read` instead, which then takes the two-step way.
         """
-        if len(keys) != len(dests) or not self.checksums or time.monotonic() >= slots.live_until:
+        if len(keys) != len(dests) or not self._may_copy(slots):
             return False
         if not slots.copy_here(keys, [_byte_view(d) for d in dests]):
             return False
         self._count_fast_read()
         return True
+
+    def start_read_here(self, count: int, nbytes: int, prepare: Callable[[], tuple[Sequence[BlockKey], Sequence[Any]]],
+                        slots: LeaseSlots) -> ChunkedCopy | None:
+        """Any thread: :meth:`read_here` on the copy threads (:mod:`dkv.copy_threads`), for reads too large to hold the caller.
+
+        This thread only posts it: ``count`` blocks, ``nbytes`` in all, whose
+        keys and destinations ``prepare()`` gives, on a copy thread
+        (:meth:`LeaseSlots.start_copy`). ``None`` when the lease cannot be
+        copied this way (checksums off, its slot map expired): read it with
+        :meth:`read`. The returned copy's ``done`` resolves to True when every
+        block is in its destination and matched its checksum (the caller then
+        queues the lease's end with :meth:`end_later`); to False or an error
+        when nothing of the destinations may be used (read them with
+        :meth:`read`, which then takes the two-step way).
+        """
+        if not self._may_copy(slots):
+            return None
+
+        def keys_and_views() -> tuple[Sequence[BlockKey], list[memoryview]]:
+            keys, dests = prepare()
+            if len(keys) != len(dests):
+                raise ValueError("read: one destination per key")
+            return keys, [_byte_view(d) for d in dests]
+
+        copy = slots.start_copy(count, nbytes, keys_and_views)
+        copy.done.add_done_callback(self._count_if_copied)
+        return copy
+
+    def _may_copy(self, slots: LeaseSlots) -> bool:
+        """Whether a read may be copied from ``slots`` without asking the node: checked, and within its lease."""
+        return self.checksums and time.monotonic() < slots.live_until
+
+    def _count_if_copied(self, done: concurrent.futures.Future[bool]) -> None:
+        if not done.cancelled() and done.exception() is None and done.result():
+            self._count_fast_read()
 
     def _count_fast_read(self) -> None:
         with self._lock:  # from either thread

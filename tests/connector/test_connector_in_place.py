@@ -3,7 +3,8 @@
 On the same-host path the connector's ``lookup()`` sends its leased lookup
 over a control connection of its own, driven from the scheduler thread, with
 no hop to the loop thread; and a small load into CPU rows is copied out of the
-lease's slots right there. These pin that nothing else changes: the same
+lease's slots right there (a larger one on the copy threads, posted straight
+from the calling thread). These pin that nothing else changes: the same
 masks and leases, loads bit-exact, a lookup never overtakes a load still
 waiting on the loop thread, a copy that cannot be proven falls back to the
 two-step read (and fails rather than deliver other bytes), a loaded lease
@@ -20,6 +21,8 @@ import pytest
 
 from connector.dkv_connector import DKVConnector
 from connector.types import CompletedTransfer, KVLoadFailed
+from connector.worker_side import WorkerSide
+from dkv.lease_slots import LeaseSlots
 from dkv.keys import BlockKey
 from tests.conftest import node_stats, wait_for_stats
 from tests.connector.conftest import PAGE_BYTES, device_blocks, two_leaves
@@ -77,7 +80,7 @@ def test_with_lookup_in_place_off_every_lookup_and_load_takes_the_loop(node_fact
 
 async def test_a_lookup_never_overtakes_a_load_still_waiting_on_the_loop(node_factory, connectors,
                                                                          monkeypatch) -> None:
-    monkeypatch.setattr("connector.worker_side.IN_PLACE_LOAD_BYTES", 0)  # every load is posted to the loop
+    monkeypatch.setattr(WorkerSide, "load_in_place", lambda *_: None)  # every load is posted to the loop
     node = node_factory()
     conn = connectors(node.address, timeout=10.0)
     blocks = conn._blocks  # noqa: SLF001
@@ -172,9 +175,11 @@ async def test_a_small_same_host_load_is_copied_in_place_and_its_lease_ends_with
     assert stats["bytes"]["out"]["local"] == 8 * PAGE_BYTES, stats["bytes"]
 
 
-def test_a_load_over_the_in_place_bound_is_posted(node_factory, connectors, monkeypatch) -> None:
+async def test_a_load_over_the_in_place_bound_is_copied_on_the_copy_threads_and_its_lease_ends_without_a_request(
+        node_factory, connectors, monkeypatch) -> None:
     monkeypatch.setattr("connector.worker_side.IN_PLACE_LOAD_BYTES", 3 * PAGE_BYTES)
-    node = node_factory()
+    monkeypatch.setattr("connector.worker_side.STATS_INTERVAL", 600.0)  # no stats request carries the end
+    node = node_factory("--lease-ttl", "60")  # only the client's end can end the lease within the test's bound
     conn = connectors(node.address)
     hashes = chain(4)
     offload_chain(conn, conn._blocks, hashes)  # noqa: SLF001
@@ -182,17 +187,75 @@ def test_a_load_over_the_in_place_bound_is_posted(node_factory, connectors, monk
     for leaf in conn._blocks[0]:  # noqa: SLF001
         fill(conn._blocks, leaf, [1, 2, 3, 4], seed=5)  # noqa: SLF001
     conn.lookup(hashes)
+    posted_to_loop = []
+    monkeypatch.setattr(WorkerSide, "post_load", lambda *a: posted_to_loop.append(a))
     transfer = conn.load({"full": [1, 2, 3, 4]}, {"full": hashes})  # 4 pages: over the bound
-    assert not isinstance(transfer, CompletedTransfer)
+    assert not isinstance(transfer, CompletedTransfer) and not posted_to_loop
     wait(transfer)
-    assert conn.counters.loads_in_place == 0 and conn.counters.loads == 1
+    assert conn.counters.loads_in_place == 1 and conn.counters.loads == 1
+    assert conn.counters.blocks_loaded == 4 and conn.counters.bytes_loaded == 4 * PAGE_BYTES
     assert _rows(conn, "full", [1, 2, 3, 4]) == expected
+    stats = await wait_for_stats(node.address, lambda s: s["leases"] == 0)  # ended by a flush: no request follows
+    assert stats["leases"] == 0 and stats["pinned_blocks"] == 0, stats
+    assert "read" not in stats["ops"], stats["ops"]
     conn.lookup(hashes[:3])
     assert isinstance(conn.load({"full": [1, 2, 3]}, {"full": hashes[:3]}), CompletedTransfer)  # at the bound
 
 
+async def test_a_copy_thread_load_that_does_not_verify_is_read_the_two_step_way(
+        node_factory, connectors, monkeypatch) -> None:
+    monkeypatch.setattr("connector.worker_side.IN_PLACE_LOAD_BYTES", 0)  # every load goes to the copy threads
+    monkeypatch.setattr(LeaseSlots, "_copy_and_verify", lambda *_: False)  # as if a slot had been reused
+    node = node_factory()
+    conn = connectors(node.address)
+    hashes = chain(3)
+    offload_chain(conn, conn._blocks, hashes)  # noqa: SLF001
+    expected = _rows(conn, "full", [1, 2, 3])
+    for leaf in conn._blocks[0]:  # noqa: SLF001
+        fill(conn._blocks, leaf, [1, 2, 3], seed=7)  # noqa: SLF001
+    conn.lookup(hashes)
+    wait(conn.load({"full": [1, 2, 3]}, {"full": hashes}))  # the lease still holds: the node's read delivers
+    assert _rows(conn, "full", [1, 2, 3]) == expected
+    assert conn.counters.loads_in_place == 0 and conn.counters.loads == 1 and conn.counters.loads_failed == 0
+    stats = await node_stats(node.address)
+    assert stats["ops"].get("read", 0) >= 1, "the load was not read the two-step way"
+
+
+def test_a_shutdown_waits_for_a_copy_thread_load_past_its_drain_and_nothing_lands_in_the_rows_after_it(
+        node_factory, connectors, monkeypatch) -> None:
+    monkeypatch.setattr("connector.worker_side.IN_PLACE_LOAD_BYTES", 0)
+    node = node_factory()
+    conn = connectors(node.address, timeout=1.0)  # shutdown drains transfers for 2 s, then closes
+    hashes = chain(3)
+    offload_chain(conn, conn._blocks, hashes)  # noqa: SLF001
+    for leaf in conn._blocks[0]:  # noqa: SLF001
+        fill(conn._blocks, leaf, [1, 2, 3], seed=11)  # noqa: SLF001
+    copying = threading.Event()
+    real = LeaseSlots._copy_and_verify
+
+    def slow_copy(self: LeaseSlots, *args: object) -> bool:
+        copying.set()
+        time.sleep(3.0)  # still copying when the shutdown's drain gives up
+        return real(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(LeaseSlots, "_copy_and_verify", slow_copy)
+    conn.lookup(hashes)
+    transfer = conn.load({"full": [1, 2, 3]}, {"full": hashes})
+    assert copying.wait(BOUND)
+    conn.shutdown()
+    after = _rows(conn, "full", [1, 2, 3])
+    time.sleep(0.8)
+    assert _rows(conn, "full", [1, 2, 3]) == after, "bytes landed in the rows after shutdown returned"
+    with pytest.raises(KVLoadFailed):  # shut down before it was reported: the engine must not use the rows
+        transfer.is_complete()
+    assert not conn._worker._copies  # noqa: SLF001 - the copy was waited for, not left behind
+
+
+@pytest.mark.parametrize("where", ["in place", "copy threads"])
 async def test_an_in_place_copy_of_reused_slots_fails_the_load_never_delivering_other_bytes(
-        node_factory, connectors, clients) -> None:
+        node_factory, connectors, clients, monkeypatch, where: str) -> None:
+    if where == "copy threads":
+        monkeypatch.setattr("connector.worker_side.IN_PLACE_LOAD_BYTES", 0)
     node = node_factory("--pool", "1MiB")
     conn = connectors(node.address)
     hashes = chain(2)

@@ -34,6 +34,11 @@ def test_keys_and_row_groups_pair_every_block_of_every_shard_in_the_same_order()
     assert plan.block_ids() == {"full": [3, 5], "swa": [7]}
 
 
+def test_the_block_count_is_the_number_of_keys() -> None:
+    plan = plan_transfer({"full": [3, 5, 6], "swa": [7, 2]}, {"full": H[:3], "swa": H[2:4]}, shards(tp=3))
+    assert plan.block_count == len(plan.keys()) == 3 * 3 + 2 * 3
+
+
 def test_leaves_with_no_blocks_are_left_out() -> None:
     plan = plan_transfer({"full": [], "swa": [1]}, {"full": [], "swa": H[:1]}, shards())
     assert [run.leaf for run in plan.runs] == ["swa"]
