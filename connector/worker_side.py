@@ -572,9 +572,12 @@ class WorkerSide:
         def prepare() -> tuple[list[Any], list[Any]]:  # a copy thread
             return plan.keys(), engine.load_targets(plan.row_groups())[0]
 
-        copy = client.start_read_here(plan.block_count, plan.nbytes, prepare, slots)
+        try:
+            copy = client.start_read_here(plan.block_count, plan.nbytes, prepare, slots)
+        except RuntimeError:  # no copy thread takes work any more (the interpreter is shutting down)
+            copy = None
         if copy is None:
-            return None
+            return None  # posted: the loop reads it the two-step way (its slot map is taken)
         future: concurrent.futures.Future[Completion | None] = concurrent.futures.Future()
         with self._tasks_lock:
             self.tasks.add(future)
@@ -951,7 +954,8 @@ class WorkerSide:
         for copy in copies:
             copy.cancel()  # no chunk starts from here on: the rows are written no more once these settle
         await asyncio.gather(*(asyncio.wrap_future(f) for f in owned), return_exceptions=True)
-        await asyncio.gather(*(asyncio.wrap_future(c.done) for c in copies), return_exceptions=True)
+        if copies:  # bounded: a copy is a memcpy of what one load moves, chunk by chunk
+            await asyncio.wait([asyncio.wrap_future(c.done) for c in copies], timeout=self.timeout + 5)
         workers = [t for t in (self._sweeper, self._resetter, *self._releasers.values()) if t is not None]
         for worker in workers:
             worker.cancel()

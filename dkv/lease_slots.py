@@ -262,7 +262,10 @@ class LeaseSlots:
 
         copy.start(bounds, copy_chunk)
         for _ in range(min(COPY_THREADS, len(bounds) - 1) - 1):
-            copy_threads.submit(copy.work)
+            try:
+                copy_threads.submit(copy.work)
+            except RuntimeError:  # the interpreter is shutting down: this thread copies every chunk
+                break
         copy.work()
 
     def copy_here(self, keys: Sequence[Any], views: Sequence[memoryview]) -> bool:
