@@ -28,10 +28,12 @@ Who calls what (the seed, ``KVConnector-protocol.txt``, is the contract):
   the loop (:mod:`dkv.direct_channel`), when one is open and no load it
   posted there is still waiting to begin
   (:meth:`~connector.worker_side.WorkerSide.lookup_in_place`); otherwise, and
-  whenever that channel fails, it runs on the loop as above. Likewise a small
-  same-host load into CPU rows is copied out of its lease's slots on the
-  calling thread (a checked memcpy, no I/O:
-  :meth:`~connector.worker_side.WorkerSide.load_in_place`).
+  whenever that channel fails, it runs on the loop as above. Likewise a
+  same-host load into CPU rows is copied out of its lease's slots without the
+  loop (a checked memcpy, no I/O:
+  :meth:`~connector.worker_side.WorkerSide.load_in_place`): a small one on the
+  calling thread, a larger one on the process's **copy threads**
+  (:mod:`dkv.copy_threads`), to which the calling thread posts it.
 
 Sources. A request's hint decides where blocks come from: a usable hint names
 a live peer (which may be the co-located node itself); no hint means the
@@ -320,7 +322,8 @@ class DKVConnector:
 
         Validates, plans and posts the read to the loop thread; never waits on it.
         A small same-host load is copied here instead (see the module
-        docstring) and returns a :class:`CompletedTransfer`.
+        docstring) and returns a :class:`CompletedTransfer`; a larger one is
+        posted to the copy threads, not the loop.
         Raises only :class:`KVLoadRefused` (before anything moved: a block the
         lookup did not report, an expired lease, a different hint; bad input is
         its subclass :class:`KVLoadInvalid`, also a ``ValueError``) and

@@ -10,7 +10,11 @@ cancelled at shutdown.
 The scheduler thread reaches it only through the methods marked "scheduler
 thread" or "any thread", which validate nothing (the scheduler side did) and
 only hand work to the loop: :meth:`WorkerSide.submit` (a coroutine, with a
-future) and :meth:`WorkerSide.call_soon` (a plain callback). Bookkeeping goes
+future) and :meth:`WorkerSide.call_soon` (a plain callback). The exceptions
+are the co-located node's work without the loop
+(:meth:`WorkerSide.lookup_in_place`, :meth:`WorkerSide.load_in_place`, which
+also posts large same-host copies to :mod:`dkv.copy_threads` and is completed
+there). Bookkeeping goes
 back to the scheduler side (:class:`~connector.scheduler_side.SchedulerSide`),
 whose methods called from here are marked "loop thread" or "any thread".
 """

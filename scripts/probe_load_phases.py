@@ -14,19 +14,25 @@ also times, on the calling thread, two limits over the same bytes:
                   checked same-host copy cannot do without.
 
 Inside the load, timing wrappers (installed here, on the classes, for this
-process only) split it on the loop thread: the node round trip of the lookup
-(``NodeClient.lookup``), the read (``NodeClient.read``), its plan
-(``LeaseSlots._plan``) and the copy on the worker thread
-(``LeaseSlots._copy_and_verify``); a load small enough to be copied on the
-calling thread shows ``NodeClient.read_here`` instead of the read. Whatever the table does not name is
-wake-ups, hops and the connector's bookkeeping. ``--listener`` loads over the
-node's UCX listener instead (``local=False``), and also times the payload
-receive (``Connection.recv_payloads``), the checks of landed blocks included.
+process only) split it: the node round trip of the lookup on the loop thread
+(``NodeClient.lookup``); then, on the same-host path, the copy threads' work
+(``LeaseSlots._plan_and_copy`` on the thread that plans the copy: its keys,
+views and plan, and its share of the chunks), the plan (``LeaseSlots._plan``)
+and each chunk's checked copy (``LeaseSlots._copy_and_verify``); a load small
+enough to be copied on the calling thread shows ``NodeClient.read_here``
+instead. Whatever the table does not name is wake-ups, hops and the
+connector's bookkeeping. ``--loop-path`` also times, interleaved, the same
+load the way a same-host load over 256 KiB went before the copy threads took
+it: posted to the loop thread (``WorkerSide._read``, ``NodeClient.read``),
+which then handed the copy on. ``--listener`` loads over the node's UCX
+listener instead (``local=False``), and also times the read on the loop
+thread and its payload receive (``Connection.recv_payloads``), the checks of
+landed blocks included.
 
 ``memcpy / copy+checksum`` is the highest ``load / memcpy`` ratio a checked
 load could reach if everything but its copy cost nothing.
 
-Usage: probe_load_phases.py [--blocks 256] [--block-size 64KiB] [--rounds 30] [--listener]
+Usage: probe_load_phases.py [--blocks 256] [--block-size 64KiB] [--rounds 30] [--listener | --loop-path]
 """
 from __future__ import annotations
 
@@ -90,7 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", default="64KiB")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--listener", action="store_true", help="load over the UCX listener (local=False)")
+    parser.add_argument("--loop-path", action="store_true",
+                        help="also time the same-host load posted to the loop thread (as before the copy threads)")
     args = parser.parse_args(argv)
+    if args.listener and args.loop_path:
+        parser.error("--loop-path is a same-host contender: not with --listener")
 
     import numpy as np
     import torch
@@ -99,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     from cluster.process import start_node
     from connector.dkv_connector import DKVConnector
     from connector.types import full_attention
+    from connector import worker_side
     from connector.worker_side import WorkerSide
     from dkv.checksum import block_checksum
     from dkv.client import NodeClient
@@ -157,8 +168,32 @@ def main(argv: list[str] | None = None) -> int:
                                           "load (load_lookup -> complete)": [], "whole load": []}
         limits: dict[str, list[float]] = {"memcpy": [], "copy+checksum": []}
         inside: dict[str, list[float]] = {}
-        wrapped = [(NodeClient, "lookup"), (NodeClient, "read"), (NodeClient, "read_here"), (LeaseSlots, "_plan"),
-                   (LeaseSlots, "_copy_and_verify"), (WorkerSide, "_read"), (Connection, "recv_payloads")]
+        wrapped = [(NodeClient, "lookup"), (NodeClient, "read"), (NodeClient, "read_here"),
+                   (LeaseSlots, "_plan_and_copy"), (LeaseSlots, "_plan"), (LeaseSlots, "_copy_and_verify"),
+                   (WorkerSide, "_read"), (Connection, "recv_payloads")]
+        in_place = WorkerSide.load_in_place
+
+        def through_the_loop(self: WorkerSide, state: Any, plan: Any) -> Any:
+            """:meth:`WorkerSide.load_in_place` as before the copy threads: a load over its bound is posted."""
+            return None if plan.nbytes > worker_side.IN_PLACE_LOAD_BYTES else in_place(self, state, plan)
+
+        def dkv_load_through_the_loop() -> None:
+            WorkerSide.load_in_place = through_the_loop  # type: ignore[method-assign]
+            try:
+                row_bytes.fill(0)
+                t0 = time.perf_counter()
+                handle = conn.start_lookup(hashes)
+                wait_done(handle, "start_lookup")
+                wait_done(conn.load_lookup(handle, {LEAF: ids}, {LEAF: hashes}), "the load")
+                loop_path.append(time.perf_counter() - t0)
+            finally:
+                WorkerSide.load_in_place = in_place  # type: ignore[method-assign]
+            if not np.array_equal(row_bytes, expected_bytes):
+                raise SystemExit("the loaded rows are not the offloaded bytes")
+
+        loop_path: list[float] = []
+        if args.loop_path:
+            phases["whole load, posted to the loop thread"] = loop_path
 
         def dkv_load() -> None:
             row_bytes.fill(0)
@@ -174,12 +209,14 @@ def main(argv: list[str] | None = None) -> int:
             t3 = time.perf_counter()
             if not np.array_equal(row_bytes, expected_bytes):
                 raise SystemExit("the loaded rows are not the offloaded bytes")
-            for name, seconds in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
+            for name, seconds in zip(list(phases)[:4], (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
                 phases[name].append(seconds)
 
         contenders: list[tuple[str, Callable[[], Any]]] = [
             ("dkv", dkv_load), ("memcpy", lambda: limits["memcpy"].append(memcpy())),
             ("copy+checksum", lambda: limits["copy+checksum"].append(copy_and_checksum()))]
+        if args.loop_path:
+            contenders.append(("dkv through the loop", dkv_load_through_the_loop))
         with timed_methods(wrapped, inside):
             for round_no in range(WARMUP + args.rounds):
                 if round_no == WARMUP:
@@ -188,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                 shift = round_no % len(contenders)
                 for _, run in contenders[shift:] + contenders[:shift]:
                     run()
-        if conn.counters.blocks_loaded < count * args.rounds:
+        if conn.counters.blocks_loaded < count * args.rounds * (2 if args.loop_path else 1):
             raise SystemExit("the loads did not all load every block")
 
         def p50_ms(samples: list[float]) -> float:
@@ -200,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
               f"load average {os.getloadavg()[0]:.2f}")
         for name, samples in (*limits.items(), *phases.items()):
             print(f"  {name:36s} {p50_ms(samples):8.3f}   {p50_ms(samples) / memcpy_ms:5.2f} x memcpy")
-        print("  on the loop thread (and the copy's worker thread; read_here: a small load, on the calling thread):")
+        print("  inside (the loop thread, the copy threads; read_here: a small load, on the calling thread):")
         for label, samples in ((label, samples) for label, samples in inside.items() if samples):
             print(f"    {label:34s} {p50_ms(samples):8.3f}   ({len(samples)} calls)")
         whole = p50_ms(phases["whole load"])

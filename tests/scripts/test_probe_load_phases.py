@@ -12,22 +12,30 @@ SCRIPT = "probe_load_phases.py"
 
 
 @pytest.mark.timeout(120)
-def test_the_load_phase_probe_reports_the_limits_the_phases_and_the_loop_threads_split() -> None:
-    # 32 x 16 KiB: over the bound of a load copied in place, so the load goes through the loop thread
-    proc = run_script(SCRIPT, "--blocks", "32", "--block-size", "16KiB", "--rounds", "2", timeout=110)
+def test_the_load_phase_probe_reports_the_limits_the_phases_and_both_same_host_paths_split() -> None:
+    # 32 x 16 KiB: over the bound of a load copied in place, so the load goes to the copy threads, and
+    # --loop-path times it posted to the loop thread as well
+    proc = run_script(SCRIPT, "--blocks", "32", "--block-size", "16KiB", "--rounds", "2", "--loop-path", timeout=110)
     assert proc.returncode == 0, outcome(proc)
     assert "same-host load of 32 x 16.0 KiB, 2 rounds" in proc.stdout
-    for name in ("memcpy", "copy+checksum", "lookup (start_lookup -> complete)", "whole load"):
+    for name in ("memcpy", "copy+checksum", "lookup (start_lookup -> complete)", "whole load",
+                 "whole load, posted to the loop thread"):
         line = re.search(rf"^\s+{re.escape(name)}\s+([0-9.]+)\s+([0-9.]+) x memcpy$", proc.stdout, re.M)
         assert line is not None, (name, proc.stdout)
         assert float(line.group(1)) > 0
-    for label in ("NodeClient.lookup", "NodeClient.read", "LeaseSlots._plan", "LeaseSlots._copy_and_verify"):
+    for label in ("NodeClient.lookup", "LeaseSlots._plan_and_copy", "LeaseSlots._plan", "LeaseSlots._copy_and_verify",
+                  "NodeClient.read", "WorkerSide._read"):
         line = re.search(rf"^\s+{re.escape(label)}\s+([0-9.]+)\s+\((\d+) calls\)$", proc.stdout, re.M)
         assert line is not None, (label, proc.stdout)
-        assert float(line.group(1)) > 0 and int(line.group(2)) >= 2  # the same-host path ran, every round
+        assert float(line.group(1)) > 0 and int(line.group(2)) >= 2  # the same-host paths ran, every round
     assert re.search(r"load / memcpy [0-9.]+; at most [0-9.]+ for a checked copy", proc.stdout), proc.stdout
 
 
 def test_the_load_phase_probe_refuses_a_block_size_that_is_not_whole_pages() -> None:
     proc = run_script(SCRIPT, "--block-size", "1000", timeout=60)
     assert proc.returncode == 2 and "multiple of 4 KiB" in proc.stderr
+
+
+def test_the_load_phase_probe_refuses_the_loop_path_over_the_listener() -> None:
+    proc = run_script(SCRIPT, "--listener", "--loop-path", timeout=60)
+    assert proc.returncode == 2 and "--loop-path" in proc.stderr
