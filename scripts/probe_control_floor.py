@@ -18,7 +18,13 @@ direct`` the event loop and stream layer a node pays per request, and
 check, store, lease, reply). Each round runs every contender ``--samples``
 times, rotating who goes first; the first round is warm-up.
 
-Usage: probe_control_floor.py [--hashes 1] [--samples 2000] [--rounds 4]
+``--pause`` times each sample after a pause instead of back to back, as a
+lookup that follows a load or an idle stretch: ``sleep`` (3 ms asleep, both
+processes idle), ``memcpy`` (a 16 MiB copy on this thread first) or ``spin``
+(3 ms busy on this thread). What a pause adds to each layer tells what the
+round trip pays for caches and CPUs gone cold while it waited.
+
+Usage: probe_control_floor.py [--hashes 1] [--samples 2000] [--rounds 4] [--pause none|sleep|memcpy|spin]
 """
 from __future__ import annotations
 
@@ -40,6 +46,26 @@ sys.path.insert(0, ROOT)
 REQUEST = {"op": "lookup", "hashes": [b"\x01" * 32], "leaves": ["a"], "shards": 1, "lease": True, "group": 0}
 REPLY = {"ok": True, "masks": {"a": b"\x01"}, "lease": 1, "ttl": 10.0}
 TIMEOUT = 10.0
+PAUSE_SECONDS = 0.003
+PAUSE_COPY_BYTES = 16 << 20
+
+
+def pause_before_each(kind: str) -> Callable[[], None]:
+    """What runs before each sample (``--pause``): nothing, a sleep, a memcpy or a spin on this thread."""
+    if kind == "sleep":
+        return lambda: time.sleep(PAUSE_SECONDS)
+    if kind == "memcpy":
+        import numpy as np
+
+        source, target = np.ones(PAUSE_COPY_BYTES, np.uint8), np.empty(PAUSE_COPY_BYTES, np.uint8)
+        return lambda: np.copyto(target, source)
+    if kind == "spin":
+        def spin() -> None:
+            until = time.perf_counter() + PAUSE_SECONDS
+            while time.perf_counter() < until:
+                pass
+        return spin
+    return lambda: None
 
 
 def _framed(message: dict) -> bytes:
@@ -122,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hashes", type=int, default=1)
     parser.add_argument("--samples", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--pause", choices=("none", "sleep", "memcpy", "spin"), default="none",
+                        help="before each sample: nothing (back to back), 3 ms asleep, a 16 MiB memcpy, 3 ms busy")
     parser.add_argument("--serve", nargs=2, metavar=("KIND", "NAME"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
@@ -174,10 +202,13 @@ def main(argv: list[str] | None = None) -> int:
             "direct+uvloop": lambda: to_uvloop.exchange(REQUEST, TIMEOUT),
             "node lookup": node_lookup,
         }
+        pause = pause_before_each(args.pause)
+
         def timed(call: Callable[[], object]) -> Callable[[], list[int]]:
             def batch() -> list[int]:
                 out = []
                 for _ in range(args.samples):
+                    pause()
                     t0 = time.perf_counter_ns()
                     call()
                     out.append(time.perf_counter_ns() - t0)
@@ -186,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
 
         samples = interleaved_rounds({name: timed(call) for name, call in contenders.items()}, args.rounds)
         print(f"same-host control round trips, {args.rounds - 1} rounds x {args.samples}; node lookup of "
-              f"{args.hashes} hash(es); load average {os.getloadavg()[0]:.2f}")
+              f"{args.hashes} hash(es); each after a pause: {args.pause}; load average {os.getloadavg()[0]:.2f}")
         summaries = {name: latency_summary_us(values) for name, values in samples.items()}
         previous = None
         for name, summary in summaries.items():

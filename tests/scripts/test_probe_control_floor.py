@@ -25,6 +25,15 @@ def test_the_control_floor_probe_reports_each_layer() -> None:
     assert leftover.stdout.strip() == "", f"servers left running: {leftover.stdout}"
 
 
+@pytest.mark.timeout(120)
+def test_the_control_floor_probe_times_each_layer_after_a_pause() -> None:
+    proc = run_script(SCRIPT, "--samples", "10", "--rounds", "2", "--pause", "memcpy", timeout=110)
+    assert proc.returncode == 0, outcome(proc)
+    assert "each after a pause: memcpy" in proc.stdout
+    for name in ("socket", "direct", "direct+uvloop", "node lookup"):
+        assert re.search(rf"^\s+{re.escape(name)}\s+p50\s+[0-9.]+ µs", proc.stdout, re.M), (name, proc.stdout)
+
+
 def test_the_control_floor_probe_refuses_a_hash_count_out_of_range() -> None:
     proc = run_script(SCRIPT, "--hashes", "0", timeout=60)
     assert proc.returncode == 2 and "--hashes in [1, 1024]" in proc.stderr
