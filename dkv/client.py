@@ -92,7 +92,8 @@ SMALL_FRAME = 256 * 1024  # a node whose frames are at least this large takes th
 MAX_REMEMBERED_LEASES = 4096  # slot maps kept for loads to come (a lease past these loads in two steps)
 LEASE_CLOCK_MARGIN = 0.5  # a same-host copy starts at least this long before the node's lease TTL runs out
 END_FLUSH_DELAY = 0.05  # a loaded lease no lookup ended by then is ended by an ``end`` request of its own
-DIRECT_RETRY_AFTER = 1.0  # seconds between attempts to open a direct channel (see NodeClient.open_direct)
+DIRECT_RETRY_AFTER = 1.0  # seconds before another attempt to open a direct channel (see NodeClient.want_direct)...
+DIRECT_RETRY_MAX = 30.0  # ...doubled after each one that failed, up to this (a node at its connection cap, say)
 FRAME_SLACK = 64  # bytes kept free in every estimated frame (array/map headers that grow with a count)
 # A listener read checks each block as its message lands, and lets UCX progress after every this many
 # bytes checked, so that the node's later messages keep moving meanwhile (UCX answers its rendezvous).
@@ -250,6 +251,7 @@ class NodeClient:
         self._direct: _Session | None = None  # the direct channel, once opened (see open_direct)
         self._direct_opening: asyncio.Future[bool] | None = None
         self._direct_tried_at = -DIRECT_RETRY_AFTER
+        self._direct_retry_after = DIRECT_RETRY_AFTER  # doubled by each failed attempt in a row, reset by an open
         self._end_timer: asyncio.TimerHandle | None = None
         self._background: set[asyncio.Future[Any]] = set()  # owned: cancelled by close()
         self.fast_reads = 0  # reads served in one round trip (copied under the lookup's lease)
@@ -625,16 +627,21 @@ class NodeClient:
 
         Only on the same-host path (the node's control socket is known), with
         checksums (a direct lookup's slot map is proven by them), with no
-        channel open or opening, and no attempt in the last ``DIRECT_RETRY_AFTER`` s.
+        channel open or opening, and no attempt in the last ``DIRECT_RETRY_AFTER``
+        s (twice that after a failed attempt, and so on up to ``DIRECT_RETRY_MAX``).
         """
         return (not self._closed and self._control is not None and self.checksums and not self.direct_ready
-                and self._direct_opening is None and time.monotonic() - self._direct_tried_at >= DIRECT_RETRY_AFTER)
+                and self._direct_opening is None
+                and time.monotonic() - self._direct_tried_at >= self._direct_retry_after)
 
     def want_direct(self) -> None:
         """Loop thread: open a direct channel in the background when :attr:`direct_possible` (else nothing).
 
         The attempt is owned (cancelled by :meth:`close`); its failure is
-        logged at debug level and tried again at most every ``DIRECT_RETRY_AFTER`` s.
+        logged at debug level and doubles the wait before the next attempt
+        (``DIRECT_RETRY_AFTER`` at first, at most ``DIRECT_RETRY_MAX``): a node
+        that refuses it (at its connection cap, say) is not asked for a
+        handshake every second by every client calling ``lookup()``.
         """
         if not self.direct_possible:
             return
@@ -645,7 +652,9 @@ class NodeClient:
             self._background.discard(done)
             self._direct_opening = None
             if not done.cancelled() and done.exception() is not None:
-                log.debug("direct channel to %s: %s", self.address, done.exception())
+                self._direct_retry_after = min(2 * self._direct_retry_after, DIRECT_RETRY_MAX)
+                log.debug("direct channel to %s: %s (next attempt in %.0f s at the earliest)", self.address,
+                          done.exception(), self._direct_retry_after)
 
         task.add_done_callback(opened)
 
@@ -675,6 +684,7 @@ class NodeClient:
         with self._lock:
             self._sessions.add(direct)
         previous, self._direct = self._direct, direct
+        self._direct_retry_after = DIRECT_RETRY_AFTER
         if previous is not None:
             previous.conn.abort()
             self._lost(previous)

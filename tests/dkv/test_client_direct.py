@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from dkv.client import NodeClient
+from dkv.client import DIRECT_RETRY_AFTER, DIRECT_RETRY_MAX, NodeClient
 from dkv.direct_channel import ChannelClosed, _peer_closed
-from dkv.errors import OpTimeout
+from dkv.errors import NodeBusy, OpTimeout
 from dkv.keys import BlockKey
 from tests.conftest import node_stats, wait_for_stats
 
@@ -140,6 +140,38 @@ async def test_a_direct_channel_the_node_closed_is_found_out_before_sending_and_
     stats = await node_stats(node.address)
     assert stats["leases"] == 1, stats  # the loaded lease ended; the new lookup's holds
     assert await reader.release(again.lease_id)
+
+
+async def test_failed_attempts_at_a_direct_channel_back_off_and_one_that_opens_resets_the_wait(
+        node_factory, clients, monkeypatch) -> None:
+    held = await _held(node_factory, clients)
+    reader, raw = held.reader, held.raw
+    attempts = []
+
+    async def refused(*_: Any) -> Any:
+        attempts.append(time.monotonic())
+        raise NodeBusy("at the connection cap")
+
+    monkeypatch.setattr(raw, "_open_local_session", refused)
+    raw._direct.conn.abort()  # noqa: SLF001 - the channel is gone: lookups want a new one
+    assert not raw.direct_ready and raw._direct_retry_after == DIRECT_RETRY_AFTER  # noqa: SLF001
+    waits = []
+    for _ in range(8):
+        raw._direct_tried_at = -1e9  # noqa: SLF001 - as if the wait had passed (the test does not sit it out)
+        reader.want_direct()
+        deadline = time.monotonic() + 30
+        while raw._direct_opening is not None:  # noqa: SLF001
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        waits.append(raw._direct_retry_after)  # noqa: SLF001
+        assert not raw.direct_possible, "asked again before the wait passed"
+    assert len(attempts) == 8
+    assert waits == [min(DIRECT_RETRY_AFTER * 2 ** n, DIRECT_RETRY_MAX) for n in range(1, 9)]
+    assert waits[-1] == DIRECT_RETRY_MAX
+    monkeypatch.undo()
+    raw._direct_tried_at = -1e9  # noqa: SLF001
+    assert await reader.open_direct()
+    assert raw.direct_ready and raw._direct_retry_after == DIRECT_RETRY_AFTER  # noqa: SLF001
 
 
 async def test_a_hung_node_times_a_direct_lookup_out_within_its_bound(node_factory, clients) -> None:
