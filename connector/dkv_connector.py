@@ -91,7 +91,7 @@ from connector.worker_side import (
     Transfer,
     WorkerSide,
 )
-from dkv.errors import DKVError
+from dkv.errors import DKVError, OpTimeout
 from dkv.etcd import DEFAULT_CLUSTER, DEFAULT_PREFIX, EtcdSettings, Layout
 from dkv.keys import check_hashes, check_namespace
 from dkv.loop_thread import acquire_shared_loop, release_shared_loop
@@ -247,8 +247,9 @@ class DKVConnector:
     def lookup(self, block_hashes: Sequence[bytes], replica_idx: int = 0, hint: bytes | None = None) -> Masks:
         """Scheduler thread: presence per leaf (True only when every TP shard holds the block), leased for the next ``load``.
 
-        Blocks the calling thread for one round trip, bounded by ``timeout``; a
-        node that does not answer in time is a miss. Raises ``ValueError`` for a
+        Blocks the calling thread for one round trip, bounded by ``timeout``
+        (plus a second for the hop to the loop thread), however it gets there;
+        a node that does not answer in time is a miss. Raises ``ValueError`` for a
         hash that is not 8 or 32 bytes. On the same-host path the round trip
         runs on this thread when it can (no hop to the loop thread: see the
         module docstring), with the same answer, lease and bounds.
@@ -269,10 +270,16 @@ class DKVConnector:
             sched.count(lookups_skipped=1)
             return sched.empty_masks(len(hashes))
         state: LeaseState | None
+        started = time.monotonic()
         try:
             answer = worker.lookup_in_place(address, hashes, group, hint, slot)  # no hop, when it can
             if answer is InPlace.NOT_TAKEN:
-                answer = worker.loop.run(worker.lookup_on(address, hashes, group, peer, hint, slot), self.timeout + 1)
+                # one bound for the whole call: a direct channel that failed late leaves the loop the rest
+                left = self.timeout + 1 - (time.monotonic() - started)
+                if left <= 0:
+                    sched.budget.give_back(address, slot)
+                    raise OpTimeout(f"lookup of {address}: no answer within {self.timeout:.1f}s")
+                answer = worker.loop.run(worker.lookup_on(address, hashes, group, peer, hint, slot), left)
             state = answer
         except Exception as exc:  # noqa: BLE001 - a dead or slow node costs a miss
             worker.unanswered(address, exc)

@@ -21,7 +21,7 @@ import pytest
 
 from connector.dkv_connector import DKVConnector
 from connector.types import CompletedTransfer, KVLoadFailed
-from connector.worker_side import WorkerSide
+from connector.worker_side import InPlace, WorkerSide
 from dkv.lease_slots import LeaseSlots
 from dkv.keys import BlockKey
 from tests.conftest import node_stats, wait_for_stats
@@ -274,3 +274,33 @@ async def test_an_in_place_copy_of_reused_slots_fails_the_load_never_delivering_
     with pytest.raises(KVLoadFailed):  # the copy failed its checksums; the two-step read found no lease
         wait(transfer)
     assert conn.counters.loads_in_place == 0
+
+
+def test_a_lookup_that_falls_back_to_the_loop_late_gets_only_what_is_left_of_its_bound(
+        node_factory, connectors, monkeypatch) -> None:
+    node = node_factory()
+    conn = connectors(node.address, timeout=2.0)  # lookup() is bounded by timeout + 1 = 3 s, however it goes
+    hashes = chain(2)
+    offload_chain(conn, conn._blocks, hashes)  # noqa: SLF001
+    worker = conn._worker  # noqa: SLF001
+    spent = [1.5]
+
+    def failed_late(*_: object) -> object:
+        time.sleep(spent[0])  # a direct channel that failed after this long (a late reset, say)
+        return InPlace.NOT_TAKEN
+
+    bounds: list[float] = []
+    run = worker.loop.run
+
+    def recorded(coro: object, timeout: float) -> object:
+        bounds.append(timeout)
+        return run(coro, timeout)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(worker, "lookup_in_place", failed_late)
+    monkeypatch.setattr(worker.loop, "run", recorded)
+    assert conn.lookup(hashes) == {"full": [True, True], "swa": [True, True]}  # the loop answers in what is left
+    assert len(bounds) == 1 and 0 < bounds[0] <= 3.0 - 1.5
+    spent[0] = 3.1  # past the whole bound: a miss, without asking again on the loop
+    failures = conn.counters.lookup_failures
+    assert conn.lookup(hashes) == {"full": [False, False], "swa": [False, False]}
+    assert len(bounds) == 1 and conn.counters.lookup_failures == failures + 1
