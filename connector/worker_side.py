@@ -12,11 +12,11 @@ thread" or "any thread", which validate nothing (the scheduler side did) and
 only hand work to the loop: :meth:`WorkerSide.submit` (a coroutine, with a
 future) and :meth:`WorkerSide.call_soon` (a plain callback). The exceptions
 are the co-located node's work without the loop
-(:meth:`WorkerSide.lookup_in_place`, :meth:`WorkerSide.load_in_place`, which
-also posts large same-host copies to :mod:`dkv.copy_threads` and is completed
-there). Bookkeeping goes
-back to the scheduler side (:class:`~connector.scheduler_side.SchedulerSide`),
-whose methods called from here are marked "loop thread" or "any thread".
+(:meth:`WorkerSide.lookup_in_place`, and :meth:`WorkerSide.load_in_place`,
+which posts large same-host copies to :mod:`dkv.copy_threads`, where they
+complete). Bookkeeping goes back to the scheduler side
+(:class:`~connector.scheduler_side.SchedulerSide`), whose methods called
+from here are marked "loop thread" or "any thread".
 """
 
 from __future__ import annotations
@@ -645,8 +645,8 @@ class WorkerSide:
             self.call_soon(client.flush_ends_soon)
         sched = self.sched
         sched.budget.give_back_lease(state.address, state.lease_id)  # type: ignore[arg-type]
-        sched.count(loads=int(not posted), loads_in_place=1, blocks_loaded=sum(
-            len(run.block_ids) * len(run.shards) for run in plan.runs), bytes_loaded=plan.nbytes)
+        sched.count(loads=int(not posted), loads_in_place=1, blocks_loaded=plan.block_count,
+                    bytes_loaded=plan.nbytes)
         sched.observe_load(False, time.perf_counter() - started)
         sched.add_metrics(h2d_bytes_copied=plan.nbytes)
 

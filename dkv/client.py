@@ -940,7 +940,7 @@ class NodeClient:
             slots = self._lease_slots.pop(lease_id, None) if end_lease else self._lease_slots.get(lease_id)
         # a lease this client knows ended (its TTL, a later lookup of its group, a release) loads the two-step
         # way, which the node refuses; a copy under a lease ended by anything else fails its checksums
-        if slots is not None and self.checksums and time.monotonic() < slots.live_until and await slots.copy(keys, views):
+        if slots is not None and self._may_copy(slots) and await slots.copy(keys, views):
             if end_lease:
                 self._end_soon(lease_id)
             self._count_fast_read()

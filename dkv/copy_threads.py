@@ -5,11 +5,12 @@ A large same-host load is a checked memcpy out of the node's segment (see
 engine's scheduler thread, on :data:`COPY_THREADS` threads the process shares.
 
 One copy is a :class:`ChunkedCopy`: its chunks (consecutive blocks, at
-least :data:`CHUNK_BYTES` each, at most :data:`CHUNKS` of them) are taken one at a time by whichever thread works
-on it, so two threads share it by what each managed to copy, not by a split
-decided in advance (one thread that starts late, or shares its core with
-the loop, no longer leaves the other idle at the end). No thread waits for
-another: the thread that finishes the last chunk settles the copy's future.
+least :data:`CHUNK_BYTES` each, at most :data:`CHUNKS` of them) are taken
+one at a time by whichever thread works on it, so two threads share it by
+what each managed to copy, not by a split decided in advance (one thread
+that starts late, or shares its core with the loop, no longer leaves the
+other idle at the end). No thread waits for another: the thread that
+finishes the last chunk settles the copy's future.
 
 Any thread may start work here (:func:`submit`); the threads are made on
 first use, again in a forked child (a pool inherited over ``fork`` has no
@@ -20,14 +21,13 @@ hold.
 from __future__ import annotations
 
 import concurrent.futures
-import itertools
 import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 COPY_THREADS = 2  # the copy and its checksum are most of a large same-host load; more would only share two cores
-CHUNK_BYTES = 1 << 20  # a chunk at least: enough to amortise its Python (keys, views, plan: tens of µs) and native call
+CHUNK_BYTES = 1 << 20  # a chunk at least: enough to amortise its slices of the plan and its native call
 CHUNKS = 16  # a copy is cut into at most this many chunks: enough to even out two threads' shares
 
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -83,8 +83,7 @@ class ChunkedCopy:
         self._copy_chunk: Callable[[int, int], bool] | None = None
         self._chunks = 0
         self._ready = False  # start() has set the chunks
-        self._next = itertools.count()  # next() under the lock: each chunk is taken by one thread
-        self._started = 0  # chunks taken so far
+        self._started = 0  # chunks taken so far (under the lock: the next one to take is this one)
         self._ended = 0  # chunks whose copy returned or raised
         self._stopped = False  # no chunk is taken any more: failed, given up or cancelled
         self._ok = True
@@ -123,7 +122,7 @@ class ChunkedCopy:
             with self._lock:
                 if self._stopped or not self._ready:
                     return
-                index = next(self._next)
+                index = self._started
                 if index >= self._chunks:
                     return
                 self._started += 1

@@ -201,9 +201,10 @@ class LeaseSlots:
         copied). A copy of at least :data:`OFF_LOOP_COPY_MIN` bytes runs on
         the copy threads (:meth:`start_copy`), a smaller one here.
         """
-        if sum(view.nbytes for view in views) < OFF_LOOP_COPY_MIN:
+        nbytes = sum(view.nbytes for view in views)
+        if nbytes < OFF_LOOP_COPY_MIN:
             return self.copy_here(keys, views)
-        copy = self.start_copy(len(keys), sum(view.nbytes for view in views), lambda: (keys, views))
+        copy = self.start_copy(len(keys), nbytes, lambda: (keys, views))
         done = asyncio.wrap_future(copy.done)
         try:
             return await asyncio.shield(done)
@@ -223,7 +224,8 @@ class LeaseSlots:
         too; an exception it raises resolves the copy's ``done`` to it. The
         returned copy's ``done`` resolves as :meth:`copy` answers. A copy of
         at least :data:`PARALLEL_COPY_MIN` bytes of blocks copied and hashed
-        without the GIL is cut into chunks (:func:`dkv.copy_threads.chunk_bounds`),
+        without the GIL (natively, or in Python when they are at least
+        :data:`GIL_FREE_COPY_MIN` on average) is cut into chunks (:func:`dkv.copy_threads.chunk_bounds`),
         which every copy thread takes once it is planned; a smaller one is
         one chunk.
         """
