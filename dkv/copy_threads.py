@@ -28,7 +28,12 @@ from typing import Any
 
 COPY_THREADS = 2  # the copy and its checksum are most of a large same-host load; more would only share two cores
 CHUNK_BYTES = 1 << 20  # a chunk at least: enough to amortise its slices of the plan and its native call
-CHUNKS = 16  # a copy is cut into at most this many chunks: enough to even out two threads' shares
+# A copy is cut into at most this many chunks: one a thread, taken in turn (a thread that starts late
+# leaves its chunk to the other). More chunks evened out the threads' shares, but each costs a hand-off of
+# the GIL, and with the engine's scheduler thread busy in Python each hand-off waits for its switch
+# interval: 256 x 64 KiB took 48 ms with 16 chunks against 13 ms with 2 (scripts/probe_load_phases.py
+# --busy-caller), and no less time with the caller waiting.
+CHUNKS = COPY_THREADS
 
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _pool_pid = -1

@@ -24,7 +24,11 @@ instead. Whatever the table does not name is wake-ups, hops and the
 connector's bookkeeping. ``--loop-path`` also times, interleaved, the same
 load the way a same-host load over 256 KiB went before the copy threads took
 it: posted to the loop thread (``WorkerSide._read``, ``NodeClient.read``),
-which then handed the copy on. ``--listener`` loads over the node's UCX
+which then handed the copy on. ``--busy-caller`` also times, interleaved, the load with the calling thread
+busy in Python meanwhile (polling ``is_complete()`` between short runs of
+pure Python, as a scheduler does between its steps): every hand-off of the
+GIL to the thread doing the load then waits for the caller's switch
+interval (``sys.getswitchinterval()``, printed). ``--listener`` loads over the node's UCX
 listener instead (``local=False``), and also times the read on the loop
 thread and its payload receive (``Connection.recv_payloads``), the checks of
 landed blocks included.
@@ -33,6 +37,7 @@ landed blocks included.
 load could reach if everything but its copy cost nothing.
 
 Usage: probe_load_phases.py [--blocks 256] [--block-size 64KiB] [--rounds 30] [--listener | --loop-path]
+       [--busy-caller]
 """
 from __future__ import annotations
 
@@ -98,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--listener", action="store_true", help="load over the UCX listener (local=False)")
     parser.add_argument("--loop-path", action="store_true",
                         help="also time the same-host load posted to the loop thread (as before the copy threads)")
+    parser.add_argument("--busy-caller", action="store_true",
+                        help="also time the load while the calling thread runs Python (polling is_complete)")
     args = parser.parse_args(argv)
     if args.listener and args.loop_path:
         parser.error("--loop-path is a same-host contender: not with --listener")
@@ -194,6 +201,29 @@ def main(argv: list[str] | None = None) -> int:
         loop_path: list[float] = []
         if args.loop_path:
             phases["whole load, posted to the loop thread"] = loop_path
+        busy_caller: list[float] = []
+        if args.busy_caller:
+            phases["load, the caller busy in Python"] = busy_caller
+
+        def python_work() -> int:  # ~tens of µs of pure Python: what a scheduler does between two polls
+            total = 0
+            for i in range(500):
+                total += i
+            return total
+
+        def dkv_load_busy_caller() -> None:
+            row_bytes.fill(0)
+            handle = conn.start_lookup(hashes)
+            wait_done(handle, "start_lookup")
+            t0 = time.perf_counter()
+            transfer = conn.load_lookup(handle, {LEAF: ids}, {LEAF: hashes})
+            while not transfer.is_complete():
+                python_work()
+                if time.perf_counter() - t0 > TIMEOUT:
+                    raise SystemExit("the load did not complete while the calling thread was busy")
+            busy_caller.append(time.perf_counter() - t0)
+            if not np.array_equal(row_bytes, expected_bytes):
+                raise SystemExit("the loaded rows are not the offloaded bytes")
 
         def dkv_load() -> None:
             row_bytes.fill(0)
@@ -217,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             ("copy+checksum", lambda: limits["copy+checksum"].append(copy_and_checksum()))]
         if args.loop_path:
             contenders.append(("dkv through the loop", dkv_load_through_the_loop))
+        if args.busy_caller:
+            contenders.append(("dkv, the caller busy", dkv_load_busy_caller))
         with timed_methods(wrapped, inside):
             for round_no in range(WARMUP + args.rounds):
                 if round_no == WARMUP:
@@ -225,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                 shift = round_no % len(contenders)
                 for _, run in contenders[shift:] + contenders[:shift]:
                     run()
-        if conn.counters.blocks_loaded < count * args.rounds * (2 if args.loop_path else 1):
+        if conn.counters.blocks_loaded < count * args.rounds * (1 + args.loop_path + args.busy_caller):
             raise SystemExit("the loads did not all load every block")
 
         def p50_ms(samples: list[float]) -> float:
@@ -234,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         memcpy_ms = p50_ms(limits["memcpy"])
         path = "listener" if args.listener else "same-host"
         print(f"{path} load of {count} x {format_size(size)}, {args.rounds} rounds, p50 (ms); "
-              f"load average {os.getloadavg()[0]:.2f}")
+              f"load average {os.getloadavg()[0]:.2f}; switch interval {sys.getswitchinterval() * 1e3:g} ms")
         for name, samples in (*limits.items(), *phases.items()):
             print(f"  {name:36s} {p50_ms(samples):8.3f}   {p50_ms(samples) / memcpy_ms:5.2f} x memcpy")
         print("  inside (the loop thread, the copy threads; read_here: a small load, on the calling thread):")

@@ -13,13 +13,15 @@ SCRIPT = "probe_load_phases.py"
 
 @pytest.mark.timeout(120)
 def test_the_load_phase_probe_reports_the_limits_the_phases_and_both_same_host_paths_split() -> None:
-    # 32 x 16 KiB: over the bound of a load copied in place, so the load goes to the copy threads, and
-    # --loop-path times it posted to the loop thread as well
-    proc = run_script(SCRIPT, "--blocks", "32", "--block-size", "16KiB", "--rounds", "2", "--loop-path", timeout=110)
+    # 32 x 16 KiB: over the bound of a load copied in place, so the load goes to the copy threads;
+    # --loop-path times it posted to the loop thread as well, --busy-caller with the caller running Python
+    proc = run_script(SCRIPT, "--blocks", "32", "--block-size", "16KiB", "--rounds", "2", "--loop-path",
+                      "--busy-caller", timeout=110)
     assert proc.returncode == 0, outcome(proc)
     assert "same-host load of 32 x 16.0 KiB, 2 rounds" in proc.stdout
+    assert re.search(r"switch interval [0-9.]+ ms", proc.stdout), proc.stdout
     for name in ("memcpy", "copy+checksum", "lookup (start_lookup -> complete)", "whole load",
-                 "whole load, posted to the loop thread"):
+                 "whole load, posted to the loop thread", "load, the caller busy in Python"):
         line = re.search(rf"^\s+{re.escape(name)}\s+([0-9.]+)\s+([0-9.]+) x memcpy$", proc.stdout, re.M)
         assert line is not None, (name, proc.stdout)
         assert float(line.group(1)) > 0
