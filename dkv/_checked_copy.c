@@ -13,9 +13,16 @@
  * a chunk at a time, so the hash reads the copy while it is in cache. Every bound is checked before
  * anything is copied (ValueError); the GIL is let go for the copies and hashes of the whole batch.
  * ``KERNEL`` names the build in use: "avx2" where the CPU has it, else "generic" (``use_kernel`` switches).
+ *
+ * CheckedCopy(segment, dests, offsets, prefixes, sums) is the same batch shared by threads: each thread's
+ * work() claims a few blocks at a time (an atomic counter, no GIL and no lock between claims), copies them
+ * and compares their checksums with ``sums`` (the writers', 16 bytes a block), until none is left. So two
+ * threads split a batch by what each managed to copy, however late one starts, with one GIL hand-off each
+ * (not one a chunk). A mismatch, or stop(), ends every thread's claiming; work() then answers False.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdatomic.h>
 #include <string.h>
 
 #include "_checked_copy.h"
@@ -28,43 +35,67 @@ typedef struct {
     PyObject *prefix; /* a reference held while the GIL is let go */
 } held_t;
 
-static PyObject *copy_and_checksum(PyObject *Py_UNUSED(self), PyObject *args) {
-    PyObject *segment_obj, *dests_obj, *offsets_obj, *prefixes_obj;
-    if (!PyArg_ParseTuple(args, "OOOO", &segment_obj, &dests_obj, &offsets_obj, &prefixes_obj)) {
-        return NULL;
-    }
+/* One batch's blocks, every bound checked, with the buffers and prefixes they point into held. */
+typedef struct {
     Py_buffer segment;
-    if (PyObject_GetBuffer(segment_obj, &segment, PyBUF_SIMPLE) < 0) {
-        return NULL;
-    }
-    PyObject *dests = NULL, *offsets = NULL, *prefixes = NULL, *result = NULL;
-    held_t *held = NULL;
-    dkv_block *blocks = NULL;
-    Py_ssize_t n = 0, taken = 0;
+    int has_segment;
+    Py_ssize_t n;
+    Py_ssize_t taken; /* held[0:taken] hold a destination buffer and a prefix reference */
+    held_t *held;
+    dkv_block *blocks;
+} batch_t;
 
+static void batch_release(batch_t *b) {
+    for (Py_ssize_t i = 0; i < b->taken; i++) {
+        PyBuffer_Release(&b->held[i].dest);
+        Py_XDECREF(b->held[i].prefix);
+    }
+    b->taken = 0;
+    PyMem_Free(b->blocks);
+    PyMem_Free(b->held);
+    b->blocks = NULL;
+    b->held = NULL;
+    if (b->has_segment) {
+        PyBuffer_Release(&b->segment);
+        b->has_segment = 0;
+    }
+}
+
+/* Fill ``b`` (zeroed by the caller) from the Python arguments; -1 with an exception set (release it then). */
+static int batch_take(batch_t *b, PyObject *segment_obj, PyObject *dests_obj, PyObject *offsets_obj,
+                      PyObject *prefixes_obj) {
+    if (PyObject_GetBuffer(segment_obj, &b->segment, PyBUF_SIMPLE) < 0) {
+        return -1;
+    }
+    b->has_segment = 1;
+    int rc = -1;
+    PyObject *dests = NULL, *offsets = NULL, *prefixes = NULL;
     dests = PySequence_Fast(dests_obj, "dests must be a sequence");
     offsets = dests ? PySequence_Fast(offsets_obj, "offsets must be a sequence") : NULL;
     prefixes = offsets ? PySequence_Fast(prefixes_obj, "prefixes must be a sequence") : NULL;
     if (!prefixes) {
         goto done;
     }
-    n = PySequence_Fast_GET_SIZE(dests);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(dests);
     if (PySequence_Fast_GET_SIZE(offsets) != n || PySequence_Fast_GET_SIZE(prefixes) != n) {
         PyErr_SetString(PyExc_ValueError, "one offset and one prefix per destination");
         goto done;
     }
-    held = PyMem_Calloc(n ? n : 1, sizeof(held_t));
-    blocks = PyMem_Calloc(n ? n : 1, sizeof(dkv_block));
-    if (!held || !blocks) {
+    b->n = n;
+    b->held = PyMem_Calloc(n ? n : 1, sizeof(held_t));
+    b->blocks = PyMem_Calloc(n ? n : 1, sizeof(dkv_block));
+    if (!b->held || !b->blocks) {
         PyErr_NoMemory();
         goto done;
     }
+    const Py_buffer *segment = &b->segment;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(dests, i), &held[i].dest, PyBUF_WRITABLE) < 0) {
+        held_t *held = &b->held[i];
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(dests, i), &held->dest, PyBUF_WRITABLE) < 0) {
             goto done;
         }
-        taken = i + 1;
-        Py_ssize_t len = held[i].dest.len;
+        b->taken = i + 1;
+        Py_ssize_t len = held->dest.len;
         PyObject *index = PyNumber_Index(PySequence_Fast_GET_ITEM(offsets, i)); /* ints, numpy ints */
         if (!index) {
             goto done;
@@ -74,9 +105,9 @@ static PyObject *copy_and_checksum(PyObject *Py_UNUSED(self), PyObject *args) {
         if (offset == -1 && PyErr_Occurred()) {
             goto done;
         }
-        if (offset < 0 || len > segment.len || offset > segment.len - len) {
+        if (offset < 0 || len > segment->len || offset > segment->len - len) {
             PyErr_Format(PyExc_ValueError, "block %zd (%zd bytes at %zd) lies outside the segment of %zd bytes",
-                         i, len, offset, segment.len);
+                         i, len, offset, segment->len);
             goto done;
         }
         PyObject *prefix = PySequence_Fast_GET_ITEM(prefixes, i);
@@ -85,35 +116,182 @@ static PyObject *copy_and_checksum(PyObject *Py_UNUSED(self), PyObject *args) {
             goto done;
         }
         Py_INCREF(prefix);
-        held[i].prefix = prefix;
-        blocks[i] = (dkv_block){
-            .src = (const char *)segment.buf + offset,
-            .dest = (char *)held[i].dest.buf,
+        held->prefix = prefix;
+        b->blocks[i] = (dkv_block){
+            .src = (const char *)segment->buf + offset,
+            .dest = (char *)held->dest.buf,
             .len = (size_t)len,
             .prefix = PyBytes_AS_STRING(prefix),
             .prefix_len = (size_t)PyBytes_GET_SIZE(prefix),
         };
     }
-    result = PyBytes_FromStringAndSize(NULL, n * DKV_CHECKSUM_SIZE);
-    if (result) {
-        unsigned char *out = (unsigned char *)PyBytes_AS_STRING(result);
-        Py_BEGIN_ALLOW_THREADS
-        kernel(blocks, (size_t)n, out);
-        Py_END_ALLOW_THREADS
-    }
+    rc = 0;
 done:
-    for (Py_ssize_t i = 0; i < taken; i++) {
-        PyBuffer_Release(&held[i].dest);
-        Py_XDECREF(held[i].prefix);
-    }
-    PyMem_Free(blocks);
-    PyMem_Free(held);
     Py_XDECREF(prefixes);
     Py_XDECREF(offsets);
     Py_XDECREF(dests);
-    PyBuffer_Release(&segment);
+    return rc;
+}
+
+static PyObject *copy_and_checksum(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *segment_obj, *dests_obj, *offsets_obj, *prefixes_obj;
+    if (!PyArg_ParseTuple(args, "OOOO", &segment_obj, &dests_obj, &offsets_obj, &prefixes_obj)) {
+        return NULL;
+    }
+    batch_t batch = {0};
+    PyObject *result = NULL;
+    if (batch_take(&batch, segment_obj, dests_obj, offsets_obj, prefixes_obj) == 0) {
+        result = PyBytes_FromStringAndSize(NULL, batch.n * DKV_CHECKSUM_SIZE);
+        if (result) {
+            unsigned char *out = (unsigned char *)PyBytes_AS_STRING(result);
+            kernel_t run = kernel;
+            Py_BEGIN_ALLOW_THREADS
+            run(batch.blocks, (size_t)batch.n, out);
+            Py_END_ALLOW_THREADS
+        }
+    }
+    batch_release(&batch);
     return result;
 }
+
+/* ---- CheckedCopy: one batch that several threads copy and check together ---------------------------------- */
+
+#define GRAIN_BYTES (256 * 1024) /* blocks claimed at a time: few claims, and the threads end close together */
+#define MAX_GRAIN 64
+
+typedef struct {
+    PyObject_HEAD
+    batch_t batch;
+    unsigned char *expected; /* the writers' checksums, 16 bytes a block, in block order */
+    size_t grain;            /* blocks a claim takes */
+    atomic_size_t next;      /* the first block no thread has claimed */
+    atomic_int stopped;      /* a block failed its checksum, or stop() was called: claim nothing more */
+} CheckedCopyObject;
+
+static void CheckedCopy_dealloc(CheckedCopyObject *self) {
+    batch_release(&self->batch);
+    PyMem_Free(self->expected);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int CheckedCopy_init(CheckedCopyObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"segment", "dests", "offsets", "prefixes", "sums", NULL};
+    PyObject *segment_obj, *dests_obj, *offsets_obj, *prefixes_obj;
+    Py_buffer sums;
+    if (self->batch.blocks || self->expected) {
+        PyErr_SetString(PyExc_RuntimeError, "a CheckedCopy is made once");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOy*", kwlist, &segment_obj, &dests_obj, &offsets_obj,
+                                     &prefixes_obj, &sums)) {
+        return -1;
+    }
+    int rc = -1;
+    if (batch_take(&self->batch, segment_obj, dests_obj, offsets_obj, prefixes_obj) < 0) {
+        goto done;
+    }
+    Py_ssize_t n = self->batch.n;
+    if (sums.len != n * DKV_CHECKSUM_SIZE) {
+        PyErr_Format(PyExc_ValueError, "sums must be %d bytes a block: %zd bytes for %zd blocks",
+                     DKV_CHECKSUM_SIZE, sums.len, n);
+        goto done;
+    }
+    self->expected = PyMem_Malloc(sums.len ? (size_t)sums.len : 1);
+    if (!self->expected) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    memcpy(self->expected, sums.buf, (size_t)sums.len);
+    size_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        total += self->batch.blocks[i].len;
+    }
+    size_t average = n ? total / (size_t)n : 0;
+    size_t grain = average ? GRAIN_BYTES / average : MAX_GRAIN;
+    self->grain = grain < 1 ? 1 : grain > MAX_GRAIN ? MAX_GRAIN : grain;
+    atomic_init(&self->next, 0);
+    atomic_init(&self->stopped, 0);
+    rc = 0;
+done:
+    PyBuffer_Release(&sums);
+    if (rc < 0) {
+        batch_release(&self->batch);
+        PyMem_Free(self->expected);
+        self->expected = NULL;
+    }
+    return rc;
+}
+
+static PyObject *CheckedCopy_work(CheckedCopyObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (!self->expected) {
+        PyErr_SetString(PyExc_RuntimeError, "CheckedCopy was not made");
+        return NULL;
+    }
+    const dkv_block *blocks = self->batch.blocks;
+    const size_t n = (size_t)self->batch.n, grain = self->grain;
+    kernel_t run = kernel;
+    int ok = 1;
+    Py_BEGIN_ALLOW_THREADS
+    unsigned char got[MAX_GRAIN * DKV_CHECKSUM_SIZE];
+    for (;;) {
+        if (atomic_load(&self->stopped)) {
+            ok = 0; /* failed elsewhere, or stopped: this share is not known to be whole */
+            break;
+        }
+        size_t first = atomic_fetch_add(&self->next, grain);
+        if (first >= n) {
+            break;
+        }
+        size_t count = n - first < grain ? n - first : grain;
+        run(blocks + first, count, got);
+        if (memcmp(got, self->expected + first * DKV_CHECKSUM_SIZE, count * DKV_CHECKSUM_SIZE) != 0) {
+            atomic_store(&self->stopped, 1);
+            ok = 0;
+            break;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(ok);
+}
+
+static PyObject *CheckedCopy_stop(CheckedCopyObject *self, PyObject *Py_UNUSED(ignored)) {
+    atomic_store(&self->stopped, 1);
+    Py_RETURN_NONE;
+}
+
+static PyObject *CheckedCopy_len(CheckedCopyObject *self, void *Py_UNUSED(closure)) {
+    return PyLong_FromSsize_t(self->batch.n);
+}
+
+static PyMethodDef CheckedCopy_methods[] = {
+    {"work", (PyCFunction)CheckedCopy_work, METH_NOARGS,
+     "work() -> bool: without the GIL, claim blocks a few at a time, copy each and compare its checksum with "
+     "the writer's, until none is left. False when a block failed its checksum (here or on another thread) "
+     "or stop() was called: no thread claims a block after that. Any number of threads may work at once; "
+     "each block is copied by exactly one."},
+    {"stop", (PyCFunction)CheckedCopy_stop, METH_NOARGS,
+     "stop(): any thread: no block is claimed after this (blocks being copied finish; work() answers False)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef CheckedCopy_getset[] = {
+    {"blocks", (getter)CheckedCopy_len, NULL, "the batch's block count", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject CheckedCopyType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "dkv._checked_copy.CheckedCopy",
+    .tp_doc = "CheckedCopy(segment, dests, offsets, prefixes, sums): copy_and_checksum's batch, shared by "
+              "the threads that call work(), checked against the writers' sums (16 bytes a block) as it goes.",
+    .tp_basicsize = sizeof(CheckedCopyObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)CheckedCopy_init,
+    .tp_dealloc = (destructor)CheckedCopy_dealloc,
+    .tp_methods = CheckedCopy_methods,
+    .tp_getset = CheckedCopy_getset,
+};
 
 static int avx2_usable(void) {
 #if defined(__GNUC__) && defined(__x86_64__)
@@ -162,8 +340,17 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__checked_copy(void) {
+    if (PyType_Ready(&CheckedCopyType) < 0) {
+        return NULL;
+    }
     PyObject *m = PyModule_Create(&module);
     if (!m) {
+        return NULL;
+    }
+    Py_INCREF(&CheckedCopyType);
+    if (PyModule_AddObject(m, "CheckedCopy", (PyObject *)&CheckedCopyType) < 0) {
+        Py_DECREF(&CheckedCopyType);
+        Py_DECREF(m);
         return NULL;
     }
     const char *name = "generic";

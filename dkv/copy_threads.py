@@ -86,6 +86,7 @@ class ChunkedCopy:
         self._lock = threading.Lock()
         self._bounds: Sequence[int] = ()
         self._copy_chunk: Callable[[int, int], bool] | None = None
+        self._stop: Callable[[], None] | None = None
         self._chunks = 0
         self._ready = False  # start() has set the chunks
         self._started = 0  # chunks taken so far (under the lock: the next one to take is this one)
@@ -95,9 +96,18 @@ class ChunkedCopy:
         self._error: BaseException | None = None
         self._settled = False
 
-    def start(self, bounds: Sequence[int], copy_chunk: Callable[[int, int], bool]) -> None:
-        """The planning thread: the chunks' bounds (as :func:`chunk_bounds` gives them) and how to copy one."""
+    def start(self, bounds: Sequence[int], copy_chunk: Callable[[int, int], bool],
+              stop: Callable[[], None] | None = None) -> None:
+        """The planning thread: the chunks' bounds (as :func:`chunk_bounds` gives them) and how to copy one.
+
+        ``stop()``, when given, makes the chunks being copied end early (and
+        answer False); :meth:`cancel` calls it. A copy shared natively (see
+        :mod:`dkv.lease_slots`) passes bounds ``0..threads`` and a
+        ``copy_chunk`` that ignores them: each "chunk" is then one thread's
+        share of blocks it claims itself, without the GIL.
+        """
         with self._lock:
+            self._stop = stop
             self._bounds, self._copy_chunk = bounds, copy_chunk
             self._chunks = max(len(bounds) - 1, 0)
             self._ready = True
@@ -118,6 +128,9 @@ class ChunkedCopy:
         with self._lock:
             self._stopped = True
             idle = self._started == self._ended
+            stop = self._stop
+        if stop is not None:
+            stop()
         if idle:
             self._settle()
 

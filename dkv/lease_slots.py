@@ -46,6 +46,7 @@ from dkv.copy_threads import COPY_THREADS, ChunkedCopy
 from dkv.errors import ProtocolError
 
 _native_copy_and_checksum = native.copy_and_checksum  # None: the Python copy below
+_native_shared_copy = native.CheckedCopy  # None likewise
 
 # Copies of at least this many bytes in all run on a worker thread (numpy's copy releases the GIL);
 # smaller ones cost less than the hop to the thread and back.
@@ -238,31 +239,39 @@ class LeaseSlots:
 
     def _plan_and_copy(self, copy: ChunkedCopy, bounds: list[int],
                        prepare: Callable[[], tuple[Sequence[Any], Sequence[memoryview]]]) -> None:
-        """A copy thread: plan ``copy`` whole, then copy its chunks with the copy threads it wakes for them.
+        """A copy thread: plan ``copy`` whole, then copy it with the copy threads it wakes for it.
 
-        The plan (and each block's checksum prefix) is made once, here, so
-        that a chunk costs a slice and a native call: made per chunk, their
-        Python held the GIL long enough to halve a 64 KiB load's rate.
+        The plan (and each block's checksum prefix) is made once, here. With
+        the native copy the batch is then one :data:`dkv.native.CheckedCopy`
+        that each thread's share claims blocks of, without the GIL (``bounds``
+        only says how many threads to share it with: one GIL hand-off a
+        thread, however late the other starts); without it, each chunk of
+        ``bounds`` costs a slice and a copy call.
         """
         try:
             keys, views = prepare()
             sizes = [view.nbytes for view in views]
             plan = self._plan(keys, sizes) if len(sizes) == bounds[-1] else None
-            prefixes = block_prefixes(keys, sizes) if plan is not None and _native_copy_and_checksum else None
+            shared = None
+            if plan is not None and _native_shared_copy is not None:
+                shared = _native_shared_copy(self.mapping.view, views, plan[0], block_prefixes(keys, sizes), plan[1])
         except BaseException as exc:  # noqa: BLE001 - reported through copy.done
             copy.give_up(exc)
             return
         if plan is None:
             copy.give_up()
             return
-        offsets, sums = plan
+        if shared is not None:
+            shares = min(COPY_THREADS, len(bounds) - 1)
+            copy.start(range(shares + 1), lambda _start, _stop: shared.work(), shared.stop)
+        else:
+            offsets, sums = plan
 
-        def copy_chunk(start: int, stop: int) -> bool:
-            return self._copy_and_verify(keys[start:stop], views[start:stop], offsets[start:stop],
-                                         sums[start * CHECKSUM_SIZE:stop * CHECKSUM_SIZE],
-                                         prefixes[start:stop] if prefixes is not None else None)
+            def copy_chunk(start: int, stop: int) -> bool:
+                return self._copy_and_verify(keys[start:stop], views[start:stop], offsets[start:stop],
+                                             sums[start * CHECKSUM_SIZE:stop * CHECKSUM_SIZE])
 
-        copy.start(bounds, copy_chunk)
+            copy.start(bounds, copy_chunk)
         for _ in range(min(COPY_THREADS, len(bounds) - 1) - 1):
             try:
                 copy_threads.submit(copy.work)
@@ -283,14 +292,10 @@ class LeaseSlots:
         return self._copy_and_verify(keys, views, offsets, sums)
 
     def _copy_and_verify(self, keys: Sequence[Any], views: Sequence[memoryview], offsets: Sequence[int],
-                         sums: bytes, prefixes: Sequence[bytes] | None = None) -> bool:
-        """Copy each key's slot into its view; True when the copied bytes' checksums are ``sums`` (key order).
-
-        ``prefixes``: the keys' checksum prefixes, where the caller made them already (the native copy uses them).
-        """
+                         sums: bytes) -> bool:
+        """Copy each key's slot into its view; True when the copied bytes' checksums are ``sums`` (key order)."""
         if _native_copy_and_checksum is not None:
-            if prefixes is None:
-                prefixes = block_prefixes(keys, [view.nbytes for view in views])
+            prefixes = block_prefixes(keys, [view.nbytes for view in views])
             return _native_copy_and_checksum(self.mapping.view, views, offsets, prefixes) == sums
         segment = np.frombuffer(self.mapping.view, dtype=np.uint8)  # sliced per block: no buffer export per block
         got = []

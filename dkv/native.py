@@ -7,14 +7,19 @@ copies in Python, with the same bytes and the same checksums.
 
 :data:`copy_and_checksum` is a same-host load's checked copy of a whole batch,
 without the GIL, with XXH3's AVX2 code where the CPU has it (:data:`KERNEL`).
+:data:`CheckedCopy` is the same batch made once and shared by the threads that
+call its ``work()``: each claims a few blocks at a time, without the GIL, and
+checks them against the writers' checksums as it goes.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import Any
 
 copy_and_checksum: Callable[..., bytes] | None = None
+CheckedCopy: Callable[..., Any] | None = None  # the same batch shared by threads (see dkv._checked_copy)
 KERNEL: str | None = None
 
 if os.environ.get("DKV_NATIVE_COPY", "1") != "0":
@@ -24,6 +29,7 @@ if os.environ.get("DKV_NATIVE_COPY", "1") != "0":
         pass
     else:
         copy_and_checksum = _checked_copy.copy_and_checksum
+        CheckedCopy = _checked_copy.CheckedCopy
         KERNEL = _checked_copy.KERNEL
 
 NATIVE = copy_and_checksum is not None

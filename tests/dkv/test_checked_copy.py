@@ -9,6 +9,7 @@ passing with the fast path untested. The Python fallback is tested too.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from array import array
 
@@ -112,10 +113,81 @@ def test_malformed_arguments_are_errors_not_crashes() -> None:
     assert copy_and_checksum(segment, [], [], []) == b""
 
 
+def _shared_batch(n: int, size: int) -> tuple[bytes, list[int], list[bytes], list[bytearray], bytes]:
+    """A segment of ``n`` blocks in reverse order, their prefixes, empty destinations, and the writers' sums."""
+    segment = os.urandom(n * size)
+    offsets = [(n - 1 - i) * size for i in range(n)]
+    keys = [("L", i % 2, os.urandom(32)) for i in range(n)]
+    prefixes = [block_prefix(leaf, shard, h, size) for leaf, shard, h in keys]
+    sums = b"".join(block_checksum(leaf, shard, h, segment[o:o + size]) for (leaf, shard, h), o in zip(keys, offsets))
+    return segment, offsets, prefixes, [bytearray(size) for _ in range(n)], sums
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_a_shared_copy_gets_every_block_once_however_many_threads_work_on_it(threads: int, kernel: str) -> None:
+    from dkv._checked_copy import CheckedCopy
+
+    n, size = 97, 20 * 1024  # not a multiple of a claim
+    segment, offsets, prefixes, dests, sums = _shared_batch(n, size)
+    shared = CheckedCopy(memoryview(segment), [memoryview(d) for d in dests], offsets, prefixes, sums)
+    assert shared.blocks == n
+    answers: list[bool] = []
+    workers = [threading.Thread(target=lambda: answers.append(shared.work())) for _ in range(threads - 1)]
+    for worker in workers:
+        worker.start()
+    answers.append(shared.work())
+    for worker in workers:
+        worker.join(30)
+    assert answers == [True] * threads
+    assert [bytes(d) for d in dests] == [segment[o:o + size] for o in offsets]
+    assert shared.work() is True  # nothing left to claim: a late thread finds the copy whole
+
+
+def test_a_shared_copy_stops_claiming_at_a_block_that_fails_its_checksum(kernel: str) -> None:
+    from dkv._checked_copy import CheckedCopy
+
+    n, size = 64, 64 * 1024  # 4 blocks a claim
+    segment, offsets, prefixes, dests, sums = _shared_batch(n, size)
+    bad = bytearray(sums)
+    bad[16 * 2] ^= 1  # the third block's: in the first claim
+    shared = CheckedCopy(memoryview(segment), [memoryview(d) for d in dests], offsets, prefixes, bytes(bad))
+    assert shared.work() is False
+    assert shared.work() is False, "a thread after the failure was told the copy is whole"
+    assert all(d == bytearray(size) for d in dests[8:]), "blocks were claimed after one failed"
+
+
+def test_a_stopped_shared_copy_copies_nothing_more() -> None:
+    from dkv._checked_copy import CheckedCopy
+
+    segment, offsets, prefixes, dests, sums = _shared_batch(8, 4096)
+    shared = CheckedCopy(memoryview(segment), [memoryview(d) for d in dests], offsets, prefixes, sums)
+    shared.stop()
+    assert shared.work() is False
+    assert dests == [bytearray(4096)] * 8
+
+
+def test_a_shared_copy_with_malformed_arguments_is_refused_when_made() -> None:
+    from dkv._checked_copy import CheckedCopy
+
+    segment, offsets, prefixes, dests, sums = _shared_batch(2, 4096)
+    views = [memoryview(d) for d in dests]
+    with pytest.raises(ValueError, match="16 bytes a block"):
+        CheckedCopy(memoryview(segment), views, offsets, prefixes, sums[:-1])
+    with pytest.raises(ValueError, match="outside the segment"):
+        CheckedCopy(memoryview(segment), views, [0, len(segment)], prefixes, sums)
+    with pytest.raises(TypeError):
+        CheckedCopy(memoryview(segment), views, offsets, ["not bytes"] * 2, sums)
+    with pytest.raises(RuntimeError, match="not made"):
+        CheckedCopy.__new__(CheckedCopy).work()
+    assert CheckedCopy(memoryview(segment), [], [], [], b"").work() is True
+    assert dests == [bytearray(4096)] * 2
+
+
 @pytest.mark.parametrize("path", ["native", "python"])
 async def test_a_lease_copy_is_delivered_and_a_reused_slot_is_caught_on_either_path(path: str, monkeypatch) -> None:
     if path == "python":
         monkeypatch.setattr(lease_slots, "_native_copy_and_checksum", None)
+        monkeypatch.setattr(lease_slots, "_native_shared_copy", None)
     block, n = 64 * 1024, 80  # 5 MiB of 64 KiB blocks: off the loop, and split across threads on the native path
     assert n * block >= lease_slots.PARALLEL_COPY_MIN
     data = bytearray(os.urandom(n * block))
