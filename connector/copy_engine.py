@@ -191,17 +191,31 @@ class CopyEngine:
         if self._waiter is not None:
             self._waiter.shutdown(wait=False, cancel_futures=True)
 
+    def _source(self, tensor: torch.Tensor) -> tuple[Any, int]:
+        """:func:`_row_source` of a CPU tensor, made once per tensor."""
+        entry = self._numpy.get(id(tensor))
+        if entry is None:
+            entry = self._numpy[id(tensor)] = _row_source(tensor)
+        return entry
+
     def _cpu_views(self, groups: RowGroups) -> list[Any]:
         """A byte view of each row: a slice of one flat view of its tensor where the tensor is contiguous."""
-        cache = self._numpy
         views: list[Any] = []
         for tensor, block_ids in groups:
-            entry = cache.get(id(tensor))
-            if entry is None:
-                entry = cache[id(tensor)] = _row_source(tensor)
-            whole, n = entry
+            whole, n = self._source(tensor)
             views += [whole[i * n:(i + 1) * n] for i in block_ids] if n else [whole[i] for i in block_ids]
         return views
+
+    def flat_rows(self, tensor: torch.Tensor) -> tuple[Any, int] | None:
+        """Rows filled in place that lie back to back: ``(one flat writable byte view of them all, row bytes)``.
+
+        ``None`` for staged rows (CUDA) and for a tensor whose rows are not
+        contiguous: fill those through :meth:`load_targets`.
+        """
+        if self.staged:
+            return None
+        whole, n = self._source(tensor)
+        return (whole, n) if n else None
 
     # ---- the staged path ---------------------------------------------------------------------------
 

@@ -42,7 +42,7 @@ from connector.types import ByteCount, CompletedTransfer, KVLoadFailed
 from connector.lease_budget import Slot
 from dkv.client import LookupResult, NodeClient
 from dkv.copy_threads import ChunkedCopy
-from dkv.lease_slots import LeaseSlots
+from dkv.lease_slots import LeaseSlots, RowRun
 from dkv.direct_channel import ChannelBusy, ChannelClosed
 from dkv.errors import ChecksumMismatch, OpTimeout, TransportError
 from dkv.etcd import EtcdSettings, Layout, make_client
@@ -551,13 +551,15 @@ class WorkerSide:
         if slots is None:
             return None
         assert client is not None
+        run = self._row_run(plan)
         if plan.nbytes > IN_PLACE_LOAD_BYTES:
-            return self._load_on_copy_threads(state, plan, client, slots)
-        keys = plan.keys()
+            return self._load_on_copy_threads(state, plan, client, slots, run)
         started = time.perf_counter()
-        targets, _ = self.copy[plan.device].load_targets(plan.row_groups())
         try:
-            done = client.read_here(state.lease_id, keys, targets, slots)
+            done = client.read_rows_here(run, slots) if run is not None else None
+            if done is None:
+                targets, _ = self.copy[plan.device].load_targets(plan.row_groups())
+                done = client.read_here(state.lease_id, plan.keys(), targets, slots)
         except Exception:  # noqa: BLE001 - a copy that could not run: the loop reads it the two-step way
             log.debug("an in-place load failed before its copy; posted instead", exc_info=True)
             done = False
@@ -566,8 +568,16 @@ class WorkerSide:
         self._landed_in_place(state, plan, client, started, posted=False)
         return CompletedTransfer()
 
+    def _row_run(self, plan: TransferPlan) -> RowRun | None:
+        """The plan as one run into rows of one buffer (see :class:`RowRun`): one leaf, one shard, CPU rows back to back."""
+        if len(plan.runs) != 1 or len(plan.runs[0].shards) != 1:
+            return None
+        run = plan.runs[0]
+        rows = self.copy[plan.device].flat_rows(run.shards[0])
+        return None if rows is None else RowRun(run.leaf, 0, run.hashes, run.block_ids, *rows)
+
     def _load_on_copy_threads(self, state: LeaseState, plan: TransferPlan, client: TrackedClient,
-                              slots: LeaseSlots) -> Transfer | None:
+                              slots: LeaseSlots, run: RowRun | None) -> Transfer | None:
         """Scheduler thread: :meth:`load_in_place` of a load too large to copy here (see there)."""
         engine = self.copy[plan.device]
         _, finish = engine.load_targets([])  # CPU rows are filled in place: a finisher that only says so
@@ -577,7 +587,7 @@ class WorkerSide:
             return plan.keys(), engine.load_targets(plan.row_groups())[0]
 
         try:
-            copy = client.start_read_here(plan.block_count, plan.nbytes, prepare, slots)
+            copy = client.start_read_here(plan.block_count, plan.nbytes, prepare, slots, run)
         except RuntimeError:  # no copy thread takes work any more (the interpreter is shutting down)
             copy = None
         if copy is None:

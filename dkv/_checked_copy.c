@@ -19,6 +19,12 @@
  * and compares their checksums with ``sums`` (the writers', 16 bytes a block), until none is left. So two
  * threads split a batch by what each managed to copy, however late one starts, with one GIL hand-off each
  * (not one a chunk). A mismatch, or stop(), ends every thread's claiming; work() then answers False.
+ * work(hold_gil=True) keeps the GIL instead, for a copy of tens of µs on a thread that must not then wait
+ * a switch interval for it back.
+ *
+ * rows_copy(segment, rows, row_bytes, ids, offsets, sizes, sums, head, hashes) makes a CheckedCopy of a
+ * load whose destinations are rows of one buffer, straight from a lease's packed slot map, so the caller
+ * builds no per-block view, prefix or plan: None when a slot cannot be copied this way.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -43,6 +49,9 @@ typedef struct {
     Py_ssize_t taken; /* held[0:taken] hold a destination buffer and a prefix reference */
     held_t *held;
     dkv_block *blocks;
+    Py_buffer rows; /* the rows form (rows_copy): every destination is a row of this one buffer */
+    int has_rows;
+    char *prefix_store; /* the rows form's prefixes, built here: head || hash, back to back */
 } batch_t;
 
 static void batch_release(batch_t *b) {
@@ -59,6 +68,12 @@ static void batch_release(batch_t *b) {
         PyBuffer_Release(&b->segment);
         b->has_segment = 0;
     }
+    if (b->has_rows) {
+        PyBuffer_Release(&b->rows);
+        b->has_rows = 0;
+    }
+    PyMem_Free(b->prefix_store);
+    b->prefix_store = NULL;
 }
 
 /* Fill ``b`` (zeroed by the caller) from the Python arguments; -1 with an exception set (release it then). */
@@ -168,6 +183,20 @@ typedef struct {
     atomic_int stopped;      /* a block failed its checksum, or stop() was called: claim nothing more */
 } CheckedCopyObject;
 
+/* How many blocks a claim takes (about GRAIN_BYTES), and nothing claimed yet. */
+static void set_grain(CheckedCopyObject *self) {
+    Py_ssize_t n = self->batch.n;
+    size_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        total += self->batch.blocks[i].len;
+    }
+    size_t average = n ? total / (size_t)n : 0;
+    size_t grain = average ? GRAIN_BYTES / average : MAX_GRAIN;
+    self->grain = grain < 1 ? 1 : grain > MAX_GRAIN ? MAX_GRAIN : grain;
+    atomic_init(&self->next, 0);
+    atomic_init(&self->stopped, 0);
+}
+
 static void CheckedCopy_dealloc(CheckedCopyObject *self) {
     batch_release(&self->batch);
     PyMem_Free(self->expected);
@@ -202,15 +231,7 @@ static int CheckedCopy_init(CheckedCopyObject *self, PyObject *args, PyObject *k
         goto done;
     }
     memcpy(self->expected, sums.buf, (size_t)sums.len);
-    size_t total = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        total += self->batch.blocks[i].len;
-    }
-    size_t average = n ? total / (size_t)n : 0;
-    size_t grain = average ? GRAIN_BYTES / average : MAX_GRAIN;
-    self->grain = grain < 1 ? 1 : grain > MAX_GRAIN ? MAX_GRAIN : grain;
-    atomic_init(&self->next, 0);
-    atomic_init(&self->stopped, 0);
+    set_grain(self);
     rc = 0;
 done:
     PyBuffer_Release(&sums);
@@ -222,17 +243,11 @@ done:
     return rc;
 }
 
-static PyObject *CheckedCopy_work(CheckedCopyObject *self, PyObject *Py_UNUSED(ignored)) {
-    if (!self->expected) {
-        PyErr_SetString(PyExc_RuntimeError, "CheckedCopy was not made");
-        return NULL;
-    }
+static int claim_and_check(CheckedCopyObject *self, kernel_t run) {
     const dkv_block *blocks = self->batch.blocks;
     const size_t n = (size_t)self->batch.n, grain = self->grain;
-    kernel_t run = kernel;
-    int ok = 1;
-    Py_BEGIN_ALLOW_THREADS
     unsigned char got[MAX_GRAIN * DKV_CHECKSUM_SIZE];
+    int ok = 1;
     for (;;) {
         if (atomic_load(&self->stopped)) {
             ok = 0; /* failed elsewhere, or stopped: this share is not known to be whole */
@@ -250,7 +265,28 @@ static PyObject *CheckedCopy_work(CheckedCopyObject *self, PyObject *Py_UNUSED(i
             break;
         }
     }
-    Py_END_ALLOW_THREADS
+    return ok;
+}
+
+static PyObject *CheckedCopy_work(CheckedCopyObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"hold_gil", NULL};
+    int hold_gil = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|p", kwlist, &hold_gil)) {
+        return NULL;
+    }
+    if (!self->expected) {
+        PyErr_SetString(PyExc_RuntimeError, "CheckedCopy was not made");
+        return NULL;
+    }
+    kernel_t run = kernel;
+    int ok;
+    if (hold_gil) {
+        ok = claim_and_check(self, run);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        ok = claim_and_check(self, run);
+        Py_END_ALLOW_THREADS
+    }
     return PyBool_FromLong(ok);
 }
 
@@ -264,8 +300,9 @@ static PyObject *CheckedCopy_len(CheckedCopyObject *self, void *Py_UNUSED(closur
 }
 
 static PyMethodDef CheckedCopy_methods[] = {
-    {"work", (PyCFunction)CheckedCopy_work, METH_NOARGS,
-     "work() -> bool: without the GIL, claim blocks a few at a time, copy each and compare its checksum with "
+    {"work", (PyCFunction)(void (*)(void))CheckedCopy_work, METH_VARARGS | METH_KEYWORDS,
+     "work(hold_gil=False) -> bool: without the GIL (with it where hold_gil: a copy of tens of µs on a "
+     "thread that must not wait for the GIL back), claim blocks a few at a time, copy each and compare its checksum with "
      "the writer's, until none is left. False when a block failed its checksum (here or on another thread) "
      "or stop() was called: no thread claims a block after that. Any number of threads may work at once; "
      "each block is copied by exactly one."},
@@ -292,6 +329,113 @@ static PyTypeObject CheckedCopyType = {
     .tp_methods = CheckedCopy_methods,
     .tp_getset = CheckedCopy_getset,
 };
+
+/* rows_copy(segment, rows, row_bytes, ids, offsets, sizes, sums, head, hashes) -> CheckedCopy | None */
+static PyObject *rows_copy(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *segment_obj, *rows_obj, *ids_obj, *hashes_obj;
+    Py_ssize_t row_bytes;
+    Py_buffer offsets, sizes, sums, head;
+    if (!PyArg_ParseTuple(args, "OOnOy*y*y*y*O", &segment_obj, &rows_obj, &row_bytes, &ids_obj, &offsets, &sizes,
+                          &sums, &head, &hashes_obj)) {
+        return NULL;
+    }
+    CheckedCopyObject *copy = (CheckedCopyObject *)CheckedCopyType.tp_alloc(&CheckedCopyType, 0);
+    PyObject *ids = NULL, *hashes = NULL, *result = NULL;
+    if (!copy) {
+        goto done;
+    }
+    batch_t *b = &copy->batch;
+    if (PyObject_GetBuffer(segment_obj, &b->segment, PyBUF_SIMPLE) < 0) {
+        goto done;
+    }
+    b->has_segment = 1;
+    if (PyObject_GetBuffer(rows_obj, &b->rows, PyBUF_WRITABLE) < 0) {
+        goto done;
+    }
+    b->has_rows = 1;
+    ids = PySequence_Fast(ids_obj, "ids must be a sequence");
+    hashes = ids ? PySequence_Fast(hashes_obj, "hashes must be a sequence") : NULL;
+    if (!hashes) {
+        goto done;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
+    if (PySequence_Fast_GET_SIZE(ids) != n || row_bytes <= 0) {
+        PyErr_SetString(PyExc_ValueError, "one id per hash, and rows of at least one byte");
+        goto done;
+    }
+    if (offsets.len < n * 8 || sizes.len < n * 8 || sums.len < n * DKV_CHECKSUM_SIZE) {
+        PyErr_SetString(PyExc_ValueError, "the slot map does not cover every hash");
+        goto done;
+    }
+    Py_ssize_t hash_len = n ? PyBytes_Check(PySequence_Fast_GET_ITEM(hashes, 0))
+                                  ? PyBytes_GET_SIZE(PySequence_Fast_GET_ITEM(hashes, 0)) : -1
+                            : 0;
+    if (hash_len < 0) {
+        PyErr_SetString(PyExc_TypeError, "hashes must be bytes");
+        goto done;
+    }
+    size_t prefix_len = (size_t)head.len + (size_t)hash_len;
+    b->n = n;
+    b->blocks = PyMem_Calloc(n ? n : 1, sizeof(dkv_block));
+    b->prefix_store = PyMem_Malloc(n ? n * prefix_len : 1);
+    copy->expected = PyMem_Malloc(n ? n * DKV_CHECKSUM_SIZE : 1);
+    if (!b->blocks || !b->prefix_store || !copy->expected) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const char *src = b->segment.buf;
+    char *dest = b->rows.buf;
+    Py_ssize_t row_count = b->rows.len / row_bytes;
+    int copyable = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *hash = PySequence_Fast_GET_ITEM(hashes, i);
+        if (!PyBytes_Check(hash) || PyBytes_GET_SIZE(hash) != hash_len) {
+            PyErr_SetString(PyExc_ValueError, "hashes must be bytes, all as long as the first");
+            goto done;
+        }
+        Py_ssize_t id = PyNumber_AsSsize_t(PySequence_Fast_GET_ITEM(ids, i), PyExc_OverflowError);
+        if (id == -1 && PyErr_Occurred()) {
+            goto done;
+        }
+        if (id < 0 || id >= row_count) {
+            PyErr_Format(PyExc_ValueError, "row %zd is outside the %zd rows", id, row_count);
+            goto done;
+        }
+        long long offset, size;
+        memcpy(&offset, (const char *)offsets.buf + 8 * i, 8);
+        memcpy(&size, (const char *)sizes.buf + 8 * i, 8);
+        if (offset < 0 || size != row_bytes || row_bytes > b->segment.len || offset > b->segment.len - row_bytes) {
+            copyable = 0; /* no checksum (-1), another size, or outside the mapping: not this way */
+            break;
+        }
+        char *prefix = b->prefix_store + (size_t)i * prefix_len;
+        memcpy(prefix, head.buf, (size_t)head.len);
+        memcpy(prefix + head.len, PyBytes_AS_STRING(hash), (size_t)hash_len);
+        b->blocks[i] = (dkv_block){
+            .src = src + offset,
+            .dest = dest + id * row_bytes,
+            .len = (size_t)row_bytes,
+            .prefix = prefix,
+            .prefix_len = prefix_len,
+        };
+    }
+    if (!copyable) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    memcpy(copy->expected, sums.buf, (size_t)n * DKV_CHECKSUM_SIZE);
+    set_grain(copy);
+    result = Py_NewRef((PyObject *)copy);
+done:
+    Py_XDECREF(hashes);
+    Py_XDECREF(ids);
+    Py_XDECREF((PyObject *)copy);
+    PyBuffer_Release(&offsets);
+    PyBuffer_Release(&sizes);
+    PyBuffer_Release(&sums);
+    PyBuffer_Release(&head);
+    return result;
+}
 
 static int avx2_usable(void) {
 #if defined(__GNUC__) && defined(__x86_64__)
@@ -328,6 +472,12 @@ static PyMethodDef methods[] = {
     {"copy_and_checksum", copy_and_checksum, METH_VARARGS,
      "copy_and_checksum(segment, dests, offsets, prefixes) -> bytes: copy each block out of the segment into "
      "its destination and return the copies' checksums (16 bytes each), without the GIL."},
+    {"rows_copy", rows_copy, METH_VARARGS,
+     "rows_copy(segment, rows, row_bytes, ids, offsets, sizes, sums, head, hashes) -> CheckedCopy | None: a "
+     "CheckedCopy of len(hashes) blocks into rows of one buffer (block i into rows[ids[i] * row_bytes:][:row_bytes]) "
+     "from the slots a slot map gives in order (offsets and sizes: native int64 each; sums: 16 bytes each; "
+     "at least len(hashes) of each), prefix i being head || hashes[i]. None when a slot has no checksum "
+     "(offset -1), is not row_bytes long or lies outside the segment: not copyable this way."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -58,6 +58,15 @@ def _head(leaf: str, shard: int, size: int) -> bytes:
     return head
 
 
+def block_head(leaf: str, shard: int, size: int, hash_length: int) -> bytes:
+    """What every :func:`block_prefix` of ``(leaf, shard)``, ``size`` and a hash of ``hash_length`` bytes starts with.
+
+    A block's prefix is this head followed by its hash (the native copy
+    builds them so: :func:`dkv._checked_copy.rows_copy`).
+    """
+    return _head(leaf, shard, size) + _HASH_LENGTH_BYTE[hash_length]
+
+
 def block_prefix(leaf: str, shard: int, block_hash: bytes, size: int) -> bytes:
     """The identity prefix hashed before a block's bytes (see the module docstring)."""
     return _head(leaf, shard, size) + _HASH_LENGTH_BYTE[len(block_hash)] + block_hash
@@ -75,7 +84,7 @@ def block_prefixes(keys: Sequence[tuple[str, int, bytes]], sizes: Sequence[int])
         if (len(set(map(operator.itemgetter(0), keys))) == 1 and len(set(map(operator.itemgetter(1), keys))) == 1
                 and len(set(map(len, hashes))) == 1 and len(set(sizes)) == 1):
             leaf, shard, first = keys[0]
-            head = _head(leaf, shard, sizes[0]) + _HASH_LENGTH_BYTE[len(first)]
+            head = block_head(leaf, shard, sizes[0], len(first))
             return list(map(head.__add__, hashes))
     return [block_prefix(key[0], key[1], key[2], size) for key, size in zip(keys, sizes)]
 

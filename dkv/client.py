@@ -60,7 +60,7 @@ from dkv.hostid import host_id
 from dkv.keys import MAX_TP_SHARDS, BlockKey, check_hashes, check_leaf, check_namespace, check_shard
 from dkv.store import WRITE
 from dkv.handover import redeem
-from dkv.lease_slots import LeaseSlots
+from dkv.lease_slots import LeaseSlots, RowRun
 from dkv.local_channel import StreamConnection, connect_local
 from dkv.transport import Connection, connect, hold_transport, progress_now, release_transport
 from dkv.units import parse_address
@@ -751,13 +751,27 @@ class NodeClient:
         self._count_fast_read()
         return True
 
+    def read_rows_here(self, run: RowRun, slots: LeaseSlots) -> bool | None:
+        """:meth:`read_here` of a read into rows of one buffer, with no Python step per block (:meth:`LeaseSlots.rows_copy`).
+
+        The same answers as :meth:`read_here`, and ``None`` where the read
+        cannot be copied this way: use :meth:`read_here`.
+        """
+        if not self._may_copy(slots):
+            return False
+        done = slots.copy_rows_here(run)
+        if done:
+            self._count_fast_read()
+        return done
+
     def start_read_here(self, count: int, nbytes: int, prepare: Callable[[], tuple[Sequence[BlockKey], Sequence[Any]]],
-                        slots: LeaseSlots) -> ChunkedCopy | None:
+                        slots: LeaseSlots, run: RowRun | None = None) -> ChunkedCopy | None:
         """Any thread: :meth:`read_here` on the copy threads (:mod:`dkv.copy_threads`), for reads too large to hold the caller.
 
         This thread only posts it: ``count`` blocks, ``nbytes`` in all, whose
         keys and destinations ``prepare()`` gives, on a copy thread
-        (:meth:`LeaseSlots.start_copy`). ``None`` when the lease cannot be
+        (:meth:`LeaseSlots.start_copy`; where ``run`` describes the same read
+        and can be copied without them, they are not made). ``None`` when the lease cannot be
         copied this way (checksums off, its slot map expired): read it with
         :meth:`read`. The returned copy's ``done`` resolves to True when every
         block is in its destination and matched its checksum (the caller then
@@ -774,7 +788,7 @@ class NodeClient:
                 raise ValueError("read: one destination per key")
             return keys, [_byte_view(d) for d in dests]
 
-        copy = slots.start_copy(count, nbytes, keys_and_views)
+        copy = slots.start_copy(count, nbytes, keys_and_views, run)
         copy.done.add_done_callback(self._count_if_copied)
         return copy
 

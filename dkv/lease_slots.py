@@ -20,6 +20,11 @@ checked copy (:mod:`dkv.native`: built at install where a C compiler and
 ``xxhash.h`` are present; ``DKV_NATIVE_COPY=0`` turns it off) every block is
 copied and hashed without the GIL, a chunk at a time so the hash reads the
 copy while it is in cache, with XXH3's AVX2 code where the CPU has it.
+A copy on the copy threads is then one native :class:`dkv._checked_copy.CheckedCopy`
+that each thread claims blocks of, a few at a time, without the GIL; a load
+into rows of one buffer (:class:`RowRun`: the usual ``load_lookup``) is made
+into one straight from the packed slot map (:meth:`LeaseSlots.rows_copy`),
+with no key, view, prefix or plan built per block.
 Without it (:data:`dkv.native.NATIVE` false) the copy runs in Python, where
 a block of at least ``GIL_FREE_COPY_MIN`` bytes is copied and hashed without the GIL and
 a smaller one only copied without it. A copy of at least
@@ -34,6 +39,7 @@ import asyncio
 import contextlib
 import operator
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -41,12 +47,13 @@ import numpy as np
 from dkv import copy_threads, native
 from dkv.arena import SegmentMapping
 from dkv.checksum import CHECKSUM_SIZE
-from dkv.checksum import block_checksum, block_prefixes
+from dkv.checksum import block_checksum, block_head, block_prefixes
 from dkv.copy_threads import COPY_THREADS, ChunkedCopy
 from dkv.errors import ProtocolError
 
 _native_copy_and_checksum = native.copy_and_checksum  # None: the Python copy below
 _native_shared_copy = native.CheckedCopy  # None likewise
+_native_rows_copy = native.rows_copy  # None likewise: loads into rows are then planned key by key
 
 # Copies of at least this many bytes in all run on a worker thread (numpy's copy releases the GIL);
 # smaller ones cost less than the hop to the thread and back.
@@ -64,6 +71,23 @@ PARALLEL_COPY_MIN = 4 << 20
 # (a dozen passes, a few µs each) is most of a one-block load's plan.
 FEW_KEYS = 8
 _CHECKSUM = np.dtype((np.void, CHECKSUM_SIZE))  # one packed checksum, gathered by index with its neighbours
+
+
+@dataclass(frozen=True, slots=True)
+class RowRun:
+    """A load whose destinations are rows of one buffer: hash ``i`` of ``(leaf, shard)`` into row ``ids[i]``.
+
+    ``rows`` is a writable byte buffer of whole rows, ``row_bytes`` each (a
+    contiguous CPU tensor's). :meth:`LeaseSlots.rows_copy` copies such a load
+    with no Python step per block: no key, view, prefix or plan is built.
+    """
+
+    leaf: str
+    shard: int
+    hashes: list[bytes]
+    ids: Sequence[int]
+    rows: Any
+    row_bytes: int
 
 
 class LeaseSlots:
@@ -216,11 +240,44 @@ class LeaseSlots:
                     await asyncio.wait([done])
             raise
 
+    def rows_copy(self, run: RowRun) -> Any | None:
+        """``run``'s checked copy, made (not run) natively from the slot map; ``None`` where it cannot be made so.
+
+        Only for a run of the lease's own hashes from the first, on a
+        one-shard lease (the usual load: ``load_lookup`` of what its lookup
+        found, see :meth:`_plan_prefix`), with the native copy built. ``None``
+        also where a slot cannot be copied at all (no checksum, another
+        size); plan such a load key by key instead (:meth:`copy_here`,
+        :meth:`start_copy` without ``run``), which gives the same answer.
+        The copy (:class:`dkv._checked_copy.CheckedCopy`) verifies as
+        :meth:`copy` does.
+        """
+        if _native_rows_copy is None or self.shards != 1 or run.shard != 0 or not run.hashes:
+            return None
+        entry = self._slots.get(run.leaf)
+        n = len(run.hashes)
+        if entry is None or n > len(self._hashes) or run.hashes != self._hashes[:n]:
+            return None
+        return _native_rows_copy(self.mapping.view, run.rows, run.row_bytes, run.ids, entry[0], entry[1], entry[2],
+                                 block_head(run.leaf, 0, run.row_bytes, len(run.hashes[0])), run.hashes)
+
+    def copy_rows_here(self, run: RowRun) -> bool | None:
+        """:meth:`copy_here` of ``run`` through :meth:`rows_copy`, holding the GIL; ``None`` where it cannot be made so.
+
+        Meant for small copies (tens of µs): the calling thread keeps the GIL
+        rather than wait a switch interval to get it back.
+        """
+        copy = self.rows_copy(run)
+        return None if copy is None else copy.work(hold_gil=True)
+
     def start_copy(self, count: int, nbytes: int,
-                   prepare: Callable[[], tuple[Sequence[Any], Sequence[memoryview]]]) -> ChunkedCopy:
+                   prepare: Callable[[], tuple[Sequence[Any], Sequence[memoryview]]],
+                   run: RowRun | None = None) -> ChunkedCopy:
         """Any thread: :meth:`copy` of ``count`` blocks (``nbytes`` in all) on the copy threads; this thread only posts it.
 
-        ``prepare()`` gives the keys and views. It runs on a copy thread, with
+        ``prepare()`` gives the keys and views; where ``run`` describes the
+        same load and :meth:`rows_copy` can copy it, it is not called. Either
+        runs on a copy thread, with
         the plan, so that a caller who must not wait leaves that work there
         too; an exception it raises resolves the copy's ``done`` to it. The
         returned copy's ``done`` resolves as :meth:`copy` answers. A copy of
@@ -234,36 +291,41 @@ class LeaseSlots:
         gil_free = nbytes >= PARALLEL_COPY_MIN and (
             _native_copy_and_checksum is not None or nbytes >= GIL_FREE_COPY_MIN * count)
         bounds = copy_threads.chunk_bounds(count, nbytes) if gil_free else [0, count] if count else [0]
-        copy_threads.submit(self._plan_and_copy, copy, bounds, prepare)
+        copy_threads.submit(self._plan_and_copy, copy, bounds, prepare, run)
         return copy
 
     def _plan_and_copy(self, copy: ChunkedCopy, bounds: list[int],
-                       prepare: Callable[[], tuple[Sequence[Any], Sequence[memoryview]]]) -> None:
+                       prepare: Callable[[], tuple[Sequence[Any], Sequence[memoryview]]],
+                       run: RowRun | None = None) -> None:
         """A copy thread: plan ``copy`` whole, then copy it with the copy threads it wakes for it.
 
-        The plan (and each block's checksum prefix) is made once, here. With
+        The plan (and each block's checksum prefix) is made once, here, or
+        not at all where :meth:`rows_copy` makes the copy of ``run``. With
         the native copy the batch is then one :data:`dkv.native.CheckedCopy`
         that each thread's share claims blocks of, without the GIL (``bounds``
         only says how many threads to share it with: one GIL hand-off a
         thread, however late the other starts); without it, each chunk of
         ``bounds`` costs a slice and a copy call.
         """
+        plan: tuple[list[int], bytes] | None = None
         try:
-            keys, views = prepare()
-            sizes = [view.nbytes for view in views]
-            plan = self._plan(keys, sizes) if len(sizes) == bounds[-1] else None
-            shared = None
-            if plan is not None and _native_shared_copy is not None:
-                shared = _native_shared_copy(self.mapping.view, views, plan[0], block_prefixes(keys, sizes), plan[1])
+            shared = self.rows_copy(run) if run is not None and len(run.hashes) == bounds[-1] else None
+            if shared is None:
+                keys, views = prepare()
+                sizes = [view.nbytes for view in views]
+                plan = self._plan(keys, sizes) if len(sizes) == bounds[-1] else None
+                if plan is not None and _native_shared_copy is not None:
+                    shared = _native_shared_copy(self.mapping.view, views, plan[0], block_prefixes(keys, sizes),
+                                                 plan[1])
         except BaseException as exc:  # noqa: BLE001 - reported through copy.done
             copy.give_up(exc)
-            return
-        if plan is None:
-            copy.give_up()
             return
         if shared is not None:
             shares = min(COPY_THREADS, len(bounds) - 1)
             copy.start(range(shares + 1), lambda _start, _stop: shared.work(), shared.stop)
+        elif plan is None:
+            copy.give_up()
+            return
         else:
             offsets, sums = plan
 

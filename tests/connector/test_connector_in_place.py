@@ -19,12 +19,15 @@ import time
 
 import pytest
 
+import dkv.lease_slots as lease_slots
+from connector.copy_engine import CopyEngine
 from connector.dkv_connector import DKVConnector
+from connector.transfer_plan import TransferPlan
 from connector.types import CompletedTransfer, KVLoadFailed
 from connector.worker_side import InPlace, WorkerSide
-from dkv.lease_slots import LeaseSlots
 from dkv.keys import BlockKey
 from tests.conftest import node_stats, wait_for_stats
+from tests.copy_hooks import watch_copies
 from tests.connector.conftest import PAGE_BYTES, device_blocks, two_leaves
 from tests.connector.test_connector import BOUND, chain, fill, offload_chain, wait
 
@@ -202,10 +205,48 @@ async def test_a_load_over_the_in_place_bound_is_copied_on_the_copy_threads_and_
     assert isinstance(conn.load({"full": [1, 2, 3]}, {"full": hashes[:3]}), CompletedTransfer)  # at the bound
 
 
+@pytest.mark.parametrize("where", ["in place", "copy threads"])
+def test_a_one_leaf_load_into_contiguous_rows_is_copied_with_no_key_or_view_made(
+        node_factory, connectors, monkeypatch, where: str) -> None:
+    """The usual load (one leaf, one shard, CPU rows back to back) is copied from the slot map alone.
+
+    :class:`dkv.lease_slots.RowRun`: no per-block key, view, prefix or plan
+    in Python, on the calling thread or on the copy threads.
+    """
+    if lease_slots._native_rows_copy is None:
+        pytest.skip("the native checked copy is not built (tests/dkv/test_checked_copy.py fails for that)")
+    if where == "copy threads":
+        monkeypatch.setattr("connector.worker_side.IN_PLACE_LOAD_BYTES", 0)
+    node = node_factory()
+    conn = connectors(node.address)
+    hashes = chain(5)
+    offload_chain(conn, conn._blocks, hashes)  # noqa: SLF001
+    expected = _rows(conn, "full", [1, 2, 3, 4, 5])
+    for leaf in conn._blocks[0]:  # noqa: SLF001
+        fill(conn._blocks, leaf, [1, 2, 3, 4, 5], seed=13)  # noqa: SLF001
+
+    def no_keys(*_: object) -> None:
+        raise AssertionError("the load's keys were made")
+
+    targets = CopyEngine.load_targets
+
+    def no_views(engine: CopyEngine, groups: list) -> object:
+        if groups:
+            raise AssertionError("the load's row views were made")
+        return targets(engine, groups)  # the finisher of rows filled in place: no view
+
+    monkeypatch.setattr(TransferPlan, "keys", no_keys)
+    monkeypatch.setattr(CopyEngine, "load_targets", no_views)
+    conn.lookup(hashes)
+    wait(conn.load({"full": [5, 4, 3, 2, 1]}, {"full": hashes}))  # each block into another row than it came from
+    assert _rows(conn, "full", [5, 4, 3, 2, 1]) == expected
+    assert conn.counters.loads_in_place == 1 and conn.counters.blocks_loaded == 5
+
+
 async def test_a_copy_thread_load_that_does_not_verify_is_read_the_two_step_way(
         node_factory, connectors, monkeypatch) -> None:
     monkeypatch.setattr("connector.worker_side.IN_PLACE_LOAD_BYTES", 0)  # every load goes to the copy threads
-    monkeypatch.setattr(LeaseSlots, "_copy_and_verify", lambda *_: False)  # as if a slot had been reused
+    watch_copies(monkeypatch).fail = True  # as if a slot had been reused
     node = node_factory()
     conn = connectors(node.address)
     hashes = chain(3)
@@ -231,14 +272,12 @@ def test_a_shutdown_waits_for_a_copy_thread_load_past_its_drain_and_nothing_land
     for leaf in conn._blocks[0]:  # noqa: SLF001
         fill(conn._blocks, leaf, [1, 2, 3], seed=11)  # noqa: SLF001
     copying = threading.Event()
-    real = LeaseSlots._copy_and_verify
 
-    def slow_copy(self: LeaseSlots, *args: object) -> bool:
+    def slow_copy(_blocks: int) -> None:
         copying.set()
         time.sleep(3.0)  # still copying when the shutdown's drain gives up
-        return real(self, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(LeaseSlots, "_copy_and_verify", slow_copy)
+    watch_copies(monkeypatch).before.append(slow_copy)
     conn.lookup(hashes)
     transfer = conn.load({"full": [1, 2, 3]}, {"full": hashes})
     assert copying.wait(BOUND)

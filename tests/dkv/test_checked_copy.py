@@ -12,12 +12,13 @@ import os
 import threading
 import time
 from array import array
+from typing import Any
 
 import pytest
 
 import dkv.lease_slots as lease_slots
 import dkv.native as dkv_native
-from dkv.checksum import block_checksum, block_prefix
+from dkv.checksum import block_checksum, block_head, block_prefix
 from dkv.lease_slots import LeaseSlots
 
 
@@ -181,6 +182,64 @@ def test_a_shared_copy_with_malformed_arguments_is_refused_when_made() -> None:
         CheckedCopy.__new__(CheckedCopy).work()
     assert CheckedCopy(memoryview(segment), [], [], [], b"").work() is True
     assert dests == [bytearray(4096)] * 2
+
+
+def _rows_batch(n: int, size: int) -> dict[str, Any]:
+    """A slot map of ``n`` blocks (packed as a node sends it), rows to load them into, and what they should hold."""
+    segment = os.urandom((n + 2) * size)
+    hashes = [os.urandom(32) for _ in range(n)]
+    offsets = [(n - i) * size for i in range(n)]  # in any order, none at 0
+    sums = b"".join(block_checksum("L", 0, h, segment[o:o + size]) for h, o in zip(hashes, offsets))
+    return {"segment": segment, "hashes": hashes, "ids": [2 * i + 1 for i in range(n)], "size": size,
+            "offsets": array("q", offsets).tobytes(), "sizes": array("q", [size] * n).tobytes(), "sums": sums,
+            "rows": bytearray((2 * n + 1) * size), "expected": [segment[o:o + size] for o in offsets]}
+
+
+def _rows_copy(b: dict[str, Any], **change: Any) -> Any:
+    from dkv._checked_copy import rows_copy
+
+    b = {**b, **change}
+    return rows_copy(memoryview(b["segment"]), b["rows"], b["size"], b["ids"], b["offsets"], b["sizes"], b["sums"],
+                     block_head("L", 0, b["size"], 32), b["hashes"])
+
+
+@pytest.mark.parametrize("hold_gil", [False, True])
+def test_a_rows_copy_puts_each_slot_in_its_row_and_checks_it_as_the_keyed_copy_does(hold_gil: bool,
+                                                                                     kernel: str) -> None:
+    b = _rows_batch(37, 12 * 1024)
+    copy = _rows_copy(b)
+    assert copy.blocks == 37 and copy.work(hold_gil=hold_gil) is True
+    size = b["size"]
+    assert [bytes(b["rows"][i * size:(i + 1) * size]) for i in b["ids"]] == b["expected"]
+    assert all(b["rows"][i * size:(i + 1) * size] == bytearray(size) for i in range(0, 2 * 37 + 1, 2)), (
+        "a row no block was for was written")
+    bad = bytearray(b["sums"])
+    bad[-1] ^= 1  # the last block's checksum: the copy does not verify
+    assert _rows_copy(b, sums=bytes(bad)).work(hold_gil=hold_gil) is False
+
+
+def test_a_slot_a_rows_copy_cannot_take_makes_no_copy() -> None:
+    b = _rows_batch(4, 4096)
+    for at, offset, size in ((1, -1, 4096), (2, 0, 8192), (3, len(b["segment"]) - 4095, 4096)):
+        offsets, sizes = array("q", b["offsets"]), array("q", b["sizes"])
+        offsets[at], sizes[at] = offset, size  # no checksum (-1), another size, past the segment's end
+        assert _rows_copy(b, offsets=offsets.tobytes(), sizes=sizes.tobytes()) is None
+    assert b["rows"] == bytearray(len(b["rows"]))
+
+
+def test_a_rows_copy_with_malformed_arguments_is_refused_when_made() -> None:
+    b = _rows_batch(3, 4096)
+    with pytest.raises(ValueError, match="outside the"):
+        _rows_copy(b, ids=[1, 3, 7])  # 7 rows of 4 KiB in the buffer: row 7 is past its end
+    with pytest.raises(ValueError, match="one id per hash"):
+        _rows_copy(b, ids=[1, 3])
+    with pytest.raises(ValueError, match="as long as the first"):
+        _rows_copy(b, hashes=[*b["hashes"][:2], b"\1" * 8])
+    with pytest.raises(ValueError, match="does not cover"):
+        _rows_copy(b, sums=b["sums"][:-16])
+    with pytest.raises((TypeError, BufferError)):
+        _rows_copy(b, rows=bytes(len(b["rows"])))  # read-only rows
+    assert b["rows"] == bytearray(len(b["rows"]))
 
 
 @pytest.mark.parametrize("path", ["native", "python"])

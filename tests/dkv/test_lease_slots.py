@@ -15,7 +15,8 @@ import pytest
 import dkv.lease_slots as lease_slots
 from dkv.checksum import block_checksum
 from dkv.errors import ProtocolError
-from dkv.lease_slots import COPY_THREADS, FEW_KEYS, OFF_LOOP_COPY_MIN, PARALLEL_COPY_MIN, LeaseSlots
+from tests.copy_hooks import watch_copies
+from dkv.lease_slots import COPY_THREADS, FEW_KEYS, OFF_LOOP_COPY_MIN, PARALLEL_COPY_MIN, LeaseSlots, RowRun
 
 BLOCK = 1 << 20  # at OFF_LOOP_COPY_MIN: copied on a worker thread
 
@@ -55,34 +56,11 @@ def copy_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     ``native``: one :class:`dkv._checked_copy.CheckedCopy` a copy, each
     thread's share of it a part; ``python``: without it, each chunk a part.
     """
-    hooks: list[Any] = []
-    if request.param == "native":
-        real = lease_slots._native_shared_copy
-        if real is None:
-            pytest.skip("the native checked copy is not built (test_checked_copy.py fails for that)")
-
-        class Watched:
-            def __init__(self, *args: Any) -> None:
-                self._copy = real(*args)
-                self.stop = self._copy.stop
-
-            def work(self) -> bool:
-                for hook in hooks:
-                    hook(self._copy.blocks)
-                return self._copy.work()
-
-        monkeypatch.setattr(lease_slots, "_native_shared_copy", Watched)
-    else:
-        monkeypatch.setattr(lease_slots, "_native_shared_copy", None)
-        real_chunk = LeaseSlots._copy_and_verify
-
-        def watched(self: LeaseSlots, keys: Any, *plan: Any) -> bool:
-            for hook in hooks:
-                hook(len(keys))
-            return real_chunk(self, keys, *plan)
-
-        monkeypatch.setattr(LeaseSlots, "_copy_and_verify", watched)
-    return SimpleNamespace(native=request.param == "native", watch=hooks.append)
+    native = request.param == "native"
+    if native and lease_slots._native_shared_copy is None:
+        pytest.skip("the native checked copy is not built (test_checked_copy.py fails for that)")
+    hooks = watch_copies(monkeypatch, native=native)
+    return SimpleNamespace(native=native, watch=hooks.before.append)
 
 
 async def test_a_copy_matching_its_checksums_is_delivered_and_a_reused_slot_is_not(copy_path: Any) -> None:
@@ -312,3 +290,45 @@ def test_a_load_of_the_leases_own_prefix_is_planned_by_slicing_with_the_same_ans
     assert all(taken.values()), taken
     whole = slots._plan([("A", 0, h) for h in hashes[:20]], [small] * 20)
     assert whole == (offsets[:20], b"".join(sums[:20]))
+
+
+def _run_of(hashes: list[bytes], ids: list[int], rows: bytearray, *, leaf: str = "L", shard: int = 0) -> RowRun:
+    return RowRun(leaf, shard, hashes, ids, memoryview(rows), BLOCK)
+
+
+async def test_a_load_into_rows_of_the_leases_own_prefix_is_copied_from_the_slot_map_alone() -> None:
+    if lease_slots._native_rows_copy is None:
+        pytest.skip("the native checked copy is not built (test_checked_copy.py fails for that)")
+    mapping, hashes, sums = _stored(3)
+    slots = _slots(mapping, hashes, sums)
+    rows = bytearray(5 * BLOCK)
+    run = _run_of(hashes[:2], [4, 1], rows)
+    assert slots.copy_rows_here(run) is True
+    assert rows[4 * BLOCK:5 * BLOCK] == mapping.slot(0, BLOCK) and rows[BLOCK:2 * BLOCK] == mapping.slot(BLOCK, BLOCK)
+
+    def no_keys() -> Any:
+        raise AssertionError("the keys and views were made for a load the slot map alone copies")
+
+    copy = slots.start_copy(3, 3 * BLOCK, no_keys, _run_of(hashes, [0, 2, 3], rows))
+    assert copy.done.result(timeout=30) is True
+    assert rows[3 * BLOCK:4 * BLOCK] == mapping.slot(2 * BLOCK, BLOCK)
+    mapping.data[BLOCK + 9] ^= 0xFF  # the second slot reused meanwhile
+    assert slots.copy_rows_here(run) is False
+    assert slots.start_copy(3, 3 * BLOCK, no_keys, _run_of(hashes, [0, 2, 3], rows)).done.result(timeout=30) is False
+
+
+def test_a_load_into_rows_that_is_not_the_leases_own_prefix_is_left_to_the_keyed_plan() -> None:
+    mapping, hashes, sums = _stored(3)
+    slots = _slots(mapping, hashes, sums)
+    rows = bytearray(4 * BLOCK)
+    for run in (_run_of([hashes[1], hashes[0]], [1, 2], rows),  # out of order
+                _run_of([hashes[0], b"\x09" * 32], [1, 2], rows),  # a hash the lease does not hold
+                _run_of(hashes[:1], [1], rows, leaf="M"),  # a leaf it does not hold
+                _run_of(hashes[:1], [1], rows, shard=1),
+                _run_of([], [], rows)):
+        assert slots.rows_copy(run) is None and slots.copy_rows_here(run) is None
+    two_shards = LeaseSlots(mapping, hashes[:1], 2, {"L": [array("q", [0, BLOCK]).tobytes(),
+                                                             array("q", [BLOCK] * 2).tobytes(), sums[0] + sums[1]]},
+                            live_until=time.monotonic() + 60)
+    assert two_shards.rows_copy(_run_of(hashes[:1], [1], rows)) is None
+    assert rows == bytearray(4 * BLOCK)

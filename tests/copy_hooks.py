@@ -1,0 +1,68 @@
+"""Test hooks into every way a same-host checked copy runs (:mod:`dkv.lease_slots`), native or in Python.
+
+A load may be copied by a native :class:`dkv._checked_copy.CheckedCopy` (made
+by ``rows_copy`` from the slot map, or from keys and views and shared by the
+copy threads) or, without the native build, by ``LeaseSlots._copy_and_verify``
+chunk by chunk. :func:`watch_copies` hooks all of them, so a test of what
+happens around a copy (a slow one, one that does not verify) holds on every path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+import dkv.lease_slots as lease_slots
+from dkv.lease_slots import LeaseSlots
+
+
+@dataclass
+class CopyHooks:
+    """``before`` hooks run as each part of a copy begins (given its block count); ``fail``: report it unverified."""
+
+    before: list[Callable[[int], None]] = field(default_factory=list)
+    fail: bool = False
+
+    def begin(self, blocks: int) -> None:
+        for hook in self.before:
+            hook(blocks)
+
+
+class _Watched:
+    """A native copy whose shares run the hooks first, and answer False when the hooks say so."""
+
+    def __init__(self, copy: Any, hooks: CopyHooks) -> None:
+        self._copy, self._hooks = copy, hooks
+        self.stop = copy.stop
+        self.blocks = copy.blocks
+
+    def work(self, hold_gil: bool = False) -> bool:
+        self._hooks.begin(self.blocks)
+        return self._copy.work(hold_gil=hold_gil) and not self._hooks.fail
+
+
+def watch_copies(monkeypatch: pytest.MonkeyPatch, *, native: bool = True) -> CopyHooks:
+    """Hook every checked copy from here on (``native=False``: turn the native copies off first)."""
+    hooks = CopyHooks()
+    for name in ("_native_shared_copy", "_native_rows_copy"):
+        real = getattr(lease_slots, name)
+        if not native or real is None:
+            monkeypatch.setattr(lease_slots, name, None)
+            continue
+
+        def made(*args: Any, _real: Any = real) -> Any:
+            copy = _real(*args)
+            return None if copy is None else _Watched(copy, hooks)
+
+        monkeypatch.setattr(lease_slots, name, made)
+    real_chunk = LeaseSlots._copy_and_verify
+
+    def chunk(self: LeaseSlots, keys: Any, *plan: Any) -> bool:
+        hooks.begin(len(keys))
+        return real_chunk(self, keys, *plan) and not hooks.fail
+
+    monkeypatch.setattr(LeaseSlots, "_copy_and_verify", chunk)
+    return hooks
