@@ -41,7 +41,7 @@ from connector.transfer_plan import TransferPlan
 from connector.types import ByteCount, CompletedTransfer, KVLoadFailed
 from connector.lease_budget import Slot
 from dkv.client import LookupResult, NodeClient
-from dkv.copy_threads import ChunkedCopy
+from dkv.copy_threads import ChunkedCopy, PostedCopy
 from dkv.lease_slots import LeaseSlots, RowRun
 from dkv.direct_channel import ChannelBusy, ChannelClosed
 from dkv.errors import ChecksumMismatch, OpTimeout, TransportError
@@ -88,9 +88,17 @@ class Transfer:
     """A posted copy: a future on the loop thread, then maybe a device completion. Any thread; never blocks."""
 
     def __init__(self, future: concurrent.futures.Future[Completion | None], *, is_load: bool,
-                 g0_blocks_per_leaf: Mapping[str, Sequence[int]] | None = None) -> None:
-        """Scheduler thread (posting a load or offload makes it)."""
+                 g0_blocks_per_leaf: Mapping[str, Sequence[int]] | None = None,
+                 poll: Callable[[], object] | None = None) -> None:
+        """Scheduler thread (posting a load or offload makes it).
+
+        ``poll()``, when given, may resolve ``future`` on the polling thread
+        (a load on the native copy threads: :class:`dkv.copy_threads.PostedCopy`),
+        so that :meth:`is_complete` learns of it without waiting for another
+        thread to get the GIL.
+        """
         self._future = future
+        self._poll = poll
         self._is_load = is_load
         self._g0 = dict(g0_blocks_per_leaf or {})
         self._error: BaseException | None = None
@@ -109,7 +117,11 @@ class Transfer:
         if self._error is not None:
             raise KVLoadFailed(str(self._error)) from self._error
         if not self._future.done():
-            return False
+            if self._poll is None:
+                return False
+            self._poll()  # it may settle the copy here, and with it the future
+            if not self._future.done():
+                return False
         try:
             self._completion = self._completion or self._future.result()
         except BaseException as exc:
@@ -211,7 +223,7 @@ class WorkerSide:
         # (their slot maps taken): a lookup runs in place only while the two are equal (see lookup_in_place)
         self._local_loads_posted = 0
         self._local_loads_begun = 0
-        self._copies: set[ChunkedCopy] = set()  # loads copying on the copy threads (load_in_place): waited for at close
+        self._copies: set[ChunkedCopy | PostedCopy] = set()  # loads on the copy threads (load_in_place): waited for at close
 
     # ---- start, clients --------------------------------------------------------------------------
 
@@ -613,7 +625,7 @@ class WorkerSide:
 
         copy.done.add_done_callback(landed)
         self.sched.count(loads=1)
-        transfer = Transfer(future, is_load=True)
+        transfer = Transfer(future, is_load=True, poll=getattr(copy, "poll", None))
         self._book(transfer)
         return transfer
 

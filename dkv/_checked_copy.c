@@ -28,8 +28,14 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "_checked_copy.h"
 
@@ -174,14 +180,23 @@ static PyObject *copy_and_checksum(PyObject *Py_UNUSED(self), PyObject *args) {
 #define GRAIN_BYTES (256 * 1024) /* blocks claimed at a time: few claims, and the threads end close together */
 #define MAX_GRAIN 64
 
-typedef struct {
+typedef struct CheckedCopyObject {
     PyObject_HEAD
     batch_t batch;
     unsigned char *expected; /* the writers' checksums, 16 bytes a block, in block order */
     size_t grain;            /* blocks a claim takes */
     atomic_size_t next;      /* the first block no thread has claimed */
     atomic_int stopped;      /* a block failed its checksum, or stop() was called: claim nothing more */
+    /* posted to the pool (post()): */
+    kernel_t run;            /* the kernel in use when it was posted */
+    atomic_int pending;      /* shares queued or running */
+    atomic_int failed;       /* a share answered False */
+    atomic_int state;        /* NOT_POSTED, POSTED, or ENDED once every share has ended */
+    pid_t posted_pid;
+    struct CheckedCopyObject *next_ended; /* the pool's list of ended copies not yet taken (under pool.mu) */
 } CheckedCopyObject;
+
+enum { NOT_POSTED = 0, POSTED = 1, ENDED = 2 };
 
 /* How many blocks a claim takes (about GRAIN_BYTES), and nothing claimed yet. */
 static void set_grain(CheckedCopyObject *self) {
@@ -197,7 +212,10 @@ static void set_grain(CheckedCopyObject *self) {
     atomic_init(&self->stopped, 0);
 }
 
+static void pool_forget(CheckedCopyObject *self);
+
 static void CheckedCopy_dealloc(CheckedCopyObject *self) {
+    pool_forget(self);
     batch_release(&self->batch);
     PyMem_Free(self->expected);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -268,6 +286,256 @@ static int claim_and_check(CheckedCopyObject *self, kernel_t run) {
     return ok;
 }
 
+/* ---- the pool: native threads that run posted shares without ever taking the GIL ---------------------------
+ *
+ * post(shares) queues a copy's shares; a pool thread pops one, runs claim_and_check and, ending the copy's
+ * last share, marks it ENDED and puts it on the ended list (what wait_ended() hands to Python). A pool
+ * thread touches no Python object and no reference count: a posted copy stays alive until it has ENDED
+ * and is off the ended list, which its dealloc waits for (it stops the copy first, so that takes at most
+ * one claim). The threads are made on first use, detached, with every signal blocked; in a forked child
+ * the pool starts empty (its queued shares are dropped, ended as failed) and is made again when used. */
+
+#define MAX_POOL_THREADS 8
+
+typedef struct share {
+    CheckedCopyObject *copy;
+    struct share *next;
+} share_t;
+
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t queued; /* a share was queued */
+    pthread_cond_t ended;  /* a copy ended */
+    share_t *head, *tail;
+    CheckedCopyObject *ended_list;
+    int threads;           /* started in this process */
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, NULL, NULL, 0};
+
+/* Under pool.mu: one share of ``copy`` ended (``ok``: it verified everything it claimed). */
+static void share_ended_locked(CheckedCopyObject *copy, int ok) {
+    if (!ok) {
+        atomic_store(&copy->failed, 1);
+    }
+    if (atomic_fetch_sub(&copy->pending, 1) == 1) {
+        atomic_store(&copy->state, ENDED);
+        copy->next_ended = pool.ended_list;
+        pool.ended_list = copy;
+        pthread_cond_broadcast(&pool.ended);
+    }
+}
+
+static void *pool_thread(void *Py_UNUSED(arg)) {
+    for (;;) {
+        pthread_mutex_lock(&pool.mu);
+        while (!pool.head) {
+            pthread_cond_wait(&pool.queued, &pool.mu);
+        }
+        share_t *share = pool.head;
+        pool.head = share->next;
+        if (!pool.head) {
+            pool.tail = NULL;
+        }
+        pthread_mutex_unlock(&pool.mu);
+        CheckedCopyObject *copy = share->copy;
+        free(share);
+        int ok = claim_and_check(copy, copy->run);
+        pthread_mutex_lock(&pool.mu);
+        share_ended_locked(copy, ok);
+        pthread_mutex_unlock(&pool.mu); /* nothing of the copy is touched after this */
+    }
+    return NULL;
+}
+
+/* Around a fork: the forking thread holds pool.mu, so the child's copy of the queue is whole. */
+static void pool_before_fork(void) {
+    pthread_mutex_lock(&pool.mu);
+}
+
+static void pool_after_fork_in_parent(void) {
+    pthread_mutex_unlock(&pool.mu);
+}
+
+static void pool_after_fork_in_child(void) {
+    pthread_mutex_init(&pool.mu, NULL);
+    pthread_cond_init(&pool.queued, NULL);
+    pthread_cond_init(&pool.ended, NULL);
+    pool.threads = 0; /* the parent's are not here */
+    share_t *share = pool.head;
+    pool.head = pool.tail = NULL;
+    while (share) { /* queued, never to run here: ended as failed */
+        share_t *next = share->next;
+        atomic_store(&share->copy->stopped, 1);
+        share_ended_locked(share->copy, 0);
+        free(share);
+        share = next;
+    }
+}
+
+/* Under pool.mu: at least ``wanted`` threads (as many as could be made); -1 when there are none. */
+static int pool_grow_locked(int wanted) {
+    static int at_fork = 0;
+    if (!at_fork) {
+        if (pthread_atfork(pool_before_fork, pool_after_fork_in_parent, pool_after_fork_in_child) != 0) {
+            return -1;
+        }
+        at_fork = 1;
+    }
+    sigset_t all, before;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &before); /* the pool's threads inherit it: signals stay Python's */
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    while (pool.threads < wanted) {
+        pthread_t thread;
+        if (pthread_create(&thread, &attr, pool_thread, NULL) != 0) {
+            break;
+        }
+        pool.threads++;
+    }
+    pthread_attr_destroy(&attr);
+    pthread_sigmask(SIG_SETMASK, &before, NULL);
+    return pool.threads ? 0 : -1;
+}
+
+static PyObject *CheckedCopy_post(CheckedCopyObject *self, PyObject *arg) {
+    long shares = PyLong_AsLong(arg);
+    if (shares == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (shares < 1 || shares > MAX_POOL_THREADS) {
+        PyErr_Format(PyExc_ValueError, "post() takes 1 to %d shares", MAX_POOL_THREADS);
+        return NULL;
+    }
+    if (!self->expected) {
+        PyErr_SetString(PyExc_RuntimeError, "CheckedCopy was not made");
+        return NULL;
+    }
+    if (atomic_load(&self->state) != NOT_POSTED) {
+        PyErr_SetString(PyExc_RuntimeError, "a CheckedCopy is posted once");
+        return NULL;
+    }
+    share_t *first = NULL, *last = NULL;
+    for (long i = 0; i < shares; i++) {
+        share_t *share = malloc(sizeof(share_t));
+        if (!share) {
+            while (first) {
+                share_t *next = first->next;
+                free(first);
+                first = next;
+            }
+            return PyErr_NoMemory();
+        }
+        *share = (share_t){.copy = self, .next = NULL};
+        if (last) {
+            last->next = share;
+        } else {
+            first = share;
+        }
+        last = share;
+    }
+    pthread_mutex_lock(&pool.mu);
+    if (pool_grow_locked((int)shares) < 0) {
+        pthread_mutex_unlock(&pool.mu);
+        while (first) {
+            share_t *next = first->next;
+            free(first);
+            first = next;
+        }
+        PyErr_SetString(PyExc_RuntimeError, "no native copy thread could be started");
+        return NULL;
+    }
+    self->run = kernel;
+    self->posted_pid = getpid();
+    atomic_store(&self->pending, (int)shares);
+    atomic_store(&self->state, POSTED);
+    if (pool.tail) {
+        pool.tail->next = first;
+    } else {
+        pool.head = first;
+    }
+    pool.tail = last;
+    pthread_cond_broadcast(&pool.queued);
+    pthread_mutex_unlock(&pool.mu);
+    Py_RETURN_NONE;
+}
+
+static PyObject *CheckedCopy_result(CheckedCopyObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (atomic_load(&self->state) != ENDED) {
+        Py_RETURN_NONE;
+    }
+    return PyBool_FromLong(!atomic_load(&self->failed));
+}
+
+/* wait_ended(timeout) -> list: the posted copies that ended since the last call (each once), waiting up to
+ * ``timeout`` seconds without the GIL for one when there is none. */
+static PyObject *wait_ended(PyObject *Py_UNUSED(module), PyObject *arg) {
+    double timeout = PyFloat_AsDouble(arg);
+    if (timeout == -1.0 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&pool.mu);
+    if (!pool.ended_list && timeout > 0) {
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        time_t whole = (time_t)timeout;
+        long nanos = until.tv_nsec + (long)((timeout - (double)whole) * 1e9);
+        until.tv_sec += whole + nanos / 1000000000L;
+        until.tv_nsec = nanos % 1000000000L;
+        while (!pool.ended_list) {
+            if (pthread_cond_timedwait(&pool.ended, &pool.mu, &until) == ETIMEDOUT) {
+                break;
+            }
+        }
+    }
+    pthread_mutex_unlock(&pool.mu);
+    Py_END_ALLOW_THREADS
+    PyObject *ended = PyList_New(0);
+    if (!ended) {
+        return NULL;
+    }
+    /* taken with the GIL held: a copy on the list cannot be freed meanwhile (its dealloc takes it off first) */
+    pthread_mutex_lock(&pool.mu);
+    CheckedCopyObject *copy = pool.ended_list;
+    pool.ended_list = NULL;
+    pthread_mutex_unlock(&pool.mu);
+    int failed = 0;
+    while (copy) {
+        CheckedCopyObject *next = copy->next_ended;
+        copy->next_ended = NULL;
+        if (!failed && PyList_Append(ended, (PyObject *)copy) < 0) {
+            failed = 1;
+        }
+        copy = next;
+    }
+    if (failed) {
+        Py_DECREF(ended);
+        return NULL;
+    }
+    return ended;
+}
+
+/* Before a posted copy is freed: stop it, wait for its shares to end, and take it off the ended list. */
+static void pool_forget(CheckedCopyObject *self) {
+    if (atomic_load(&self->state) == NOT_POSTED || self->posted_pid != getpid()) {
+        return; /* never posted, or posted in the parent of this forked child: no thread here uses it */
+    }
+    atomic_store(&self->stopped, 1);
+    while (atomic_load(&self->state) != ENDED) { /* at most one claim: no pool thread needs the GIL */
+        struct timespec pause = {0, 20000};
+        nanosleep(&pause, NULL);
+    }
+    pthread_mutex_lock(&pool.mu);
+    for (CheckedCopyObject **at = &pool.ended_list; *at; at = &(*at)->next_ended) {
+        if (*at == self) {
+            *at = self->next_ended;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&pool.mu);
+}
+
 static PyObject *CheckedCopy_work(CheckedCopyObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"hold_gil", NULL};
     int hold_gil = 0;
@@ -306,6 +574,12 @@ static PyMethodDef CheckedCopy_methods[] = {
      "the writer's, until none is left. False when a block failed its checksum (here or on another thread) "
      "or stop() was called: no thread claims a block after that. Any number of threads may work at once; "
      "each block is copied by exactly one."},
+    {"post", (PyCFunction)CheckedCopy_post, METH_O,
+     "post(shares): queue the copy on the native pool as ``shares`` shares (1-8), each a work() on a native "
+     "thread that never takes the GIL; returns at once. Once. result() says when every share has ended."},
+    {"result", (PyCFunction)CheckedCopy_result, METH_NOARGS,
+     "result() -> bool | None: None until every posted share has ended; then True when every block was "
+     "copied and verified, False otherwise (a checksum failed, or stop())."},
     {"stop", (PyCFunction)CheckedCopy_stop, METH_NOARGS,
      "stop(): any thread: no block is claimed after this (blocks being copied finish; work() answers False)."},
     {NULL, NULL, 0, NULL},
@@ -472,6 +746,9 @@ static PyMethodDef methods[] = {
     {"copy_and_checksum", copy_and_checksum, METH_VARARGS,
      "copy_and_checksum(segment, dests, offsets, prefixes) -> bytes: copy each block out of the segment into "
      "its destination and return the copies' checksums (16 bytes each), without the GIL."},
+    {"wait_ended", wait_ended, METH_O,
+     "wait_ended(timeout) -> list[CheckedCopy]: the posted copies whose shares have all ended since the last "
+     "call, each once; waits up to ``timeout`` seconds for one, without the GIL."},
     {"rows_copy", rows_copy, METH_VARARGS,
      "rows_copy(segment, rows, row_bytes, ids, offsets, sizes, sums, head, hashes) -> CheckedCopy | None: a "
      "CheckedCopy of len(hashes) blocks into rows of one buffer (block i into rows[ids[i] * row_bytes:][:row_bytes]) "

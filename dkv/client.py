@@ -41,7 +41,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 from dkv.arena import SegmentMapping, align_up
 from dkv.checksum import CHECKSUM_SIZE, block_checksum, is_checksum
 from dkv.checksum import verify as checksum_matches
-from dkv.copy_threads import ChunkedCopy
+from dkv.copy_threads import ChunkedCopy, PostedCopy
 from dkv.credentials import read_local_credential
 from dkv.direct_channel import ChannelBusy, ChannelClosed, DirectChannel
 from dkv.errors import (
@@ -765,7 +765,7 @@ class NodeClient:
         return done
 
     def start_read_here(self, count: int, nbytes: int, prepare: Callable[[], tuple[Sequence[BlockKey], Sequence[Any]]],
-                        slots: LeaseSlots, run: RowRun | None = None) -> ChunkedCopy | None:
+                        slots: LeaseSlots, run: RowRun | None = None) -> ChunkedCopy | PostedCopy | None:
         """Any thread: :meth:`read_here` on the copy threads (:mod:`dkv.copy_threads`), for reads too large to hold the caller.
 
         This thread only posts it: ``count`` blocks, ``nbytes`` in all, whose

@@ -16,6 +16,13 @@ Any thread may start work here (:func:`submit`); the threads are made on
 first use, again in a forked child (a pool inherited over ``fork`` has no
 threads behind it), and are joined at interpreter exit after the work they
 hold.
+
+A copy that is one native :class:`dkv._checked_copy.CheckedCopy` from the
+start (a load into rows, made from the slot map on the posting thread) skips
+these threads: it is a :class:`PostedCopy` on the native copy threads, which
+never take the GIL, so no thread needs the GIL to start, share or end it
+(each such hand-off waits for the switch interval while the engine's
+scheduler thread runs Python).
 """
 
 from __future__ import annotations
@@ -63,6 +70,95 @@ def chunk_bounds(count: int, nbytes: int) -> list[int]:
         return [0]
     per = max(1, -(-count // CHUNKS), count * CHUNK_BYTES // max(nbytes, 1))
     return [*range(0, count, per), count]
+
+
+class PostedCopy:
+    """A native copy (:class:`dkv._checked_copy.CheckedCopy`) posted to the native copy threads.
+
+    No Python thread takes part: the native threads copy and check it
+    without ever taking the GIL. :attr:`done` resolves as
+    :class:`ChunkedCopy`'s does (True: every block verified; False: one did
+    not, or it was cancelled), once no native thread works on it.
+    :meth:`poll` (any thread, never blocks) settles it right there when the
+    native threads are through, so a thread that polls (the engine's
+    scheduler thread, through ``Transfer.is_complete``) learns of it
+    without waiting for another thread to get the GIL; otherwise the
+    process's watcher thread (blocked in native code, without the GIL,
+    until a posted copy ends) settles it. Whichever comes first settles it
+    once; ``done``'s callbacks run on that thread.
+    """
+
+    def __init__(self, copy: Any, shares: int) -> None:
+        """Any thread: post ``copy`` as ``shares`` shares (``RuntimeError``: no native thread could be started)."""
+        self.done: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        self._copy = copy
+        self._lock = threading.Lock()
+        self._settled = False
+        self._cancelled = False
+        _watch(self)
+        try:
+            copy.post(shares)
+        except BaseException:
+            _unwatch(self)
+            raise
+
+    def poll(self) -> bool:
+        """Any thread: settle the copy if the native threads are through with it; True once it is settled."""
+        if self._settled:
+            return True
+        if self._copy.result() is None:
+            return False
+        self._settle()
+        return True
+
+    def cancel(self) -> None:
+        """Any thread: claim no further block; :attr:`done` resolves (False) once the blocks being copied end."""
+        self._cancelled = True
+        self._copy.stop()
+
+    def _settle(self) -> None:
+        with self._lock:
+            if self._settled:
+                return
+            self._settled = True
+        ok = bool(self._copy.result()) and not self._cancelled
+        if self.done.set_running_or_notify_cancel():
+            self.done.set_result(ok)
+
+
+# The posted copies not yet seen to end by the watcher, by the id of their native copy (which it hands back).
+_posted: dict[int, PostedCopy] = {}
+_posted_lock = threading.Lock()
+_watcher_pid = -1
+WATCH_WAKE = 1.0  # seconds: how often the idle watcher wakes (only to be interruptible; nothing is polled)
+
+
+def _watch(posted: PostedCopy) -> None:
+    global _watcher_pid
+    with _posted_lock:
+        _posted[id(posted._copy)] = posted
+        if _watcher_pid != os.getpid():  # first use, or a forked child: the parent's watcher is not here
+            _posted.clear()
+            _posted[id(posted._copy)] = posted
+            threading.Thread(target=_watcher, name="dkv-copy-watcher", daemon=True).start()
+            _watcher_pid = os.getpid()
+
+
+def _unwatch(posted: PostedCopy) -> None:
+    with _posted_lock:
+        _posted.pop(id(posted._copy), None)
+
+
+def _watcher() -> None:
+    """The watcher thread: settle each posted copy as the native threads end it (see :class:`PostedCopy`)."""
+    from dkv import _checked_copy  # only posted copies start this thread, and they need the native build
+
+    while True:
+        for copy in _checked_copy.wait_ended(WATCH_WAKE):
+            with _posted_lock:
+                posted = _posted.pop(id(copy), None)
+            if posted is not None:
+                posted._settle()  # noqa: SLF001 - the module's own class
 
 
 class ChunkedCopy:

@@ -48,7 +48,7 @@ from dkv import copy_threads, native
 from dkv.arena import SegmentMapping
 from dkv.checksum import CHECKSUM_SIZE
 from dkv.checksum import block_checksum, block_head, block_prefixes
-from dkv.copy_threads import COPY_THREADS, ChunkedCopy
+from dkv.copy_threads import COPY_THREADS, ChunkedCopy, PostedCopy
 from dkv.errors import ProtocolError
 
 _native_copy_and_checksum = native.copy_and_checksum  # None: the Python copy below
@@ -272,12 +272,14 @@ class LeaseSlots:
 
     def start_copy(self, count: int, nbytes: int,
                    prepare: Callable[[], tuple[Sequence[Any], Sequence[memoryview]]],
-                   run: RowRun | None = None) -> ChunkedCopy:
+                   run: RowRun | None = None) -> ChunkedCopy | PostedCopy:
         """Any thread: :meth:`copy` of ``count`` blocks (``nbytes`` in all) on the copy threads; this thread only posts it.
 
-        ``prepare()`` gives the keys and views; where ``run`` describes the
-        same load and :meth:`rows_copy` can copy it, it is not called. Either
-        runs on a copy thread, with
+        Where ``run`` describes the load and :meth:`rows_copy` can copy it,
+        the copy is made here (a native call: no Python step per block) and
+        posted to the native copy threads (:class:`dkv.copy_threads.PostedCopy`),
+        which no Python thread joins. Otherwise ``prepare()`` gives the keys
+        and views; it runs on a copy thread, with
         the plan, so that a caller who must not wait leaves that work there
         too; an exception it raises resolves the copy's ``done`` to it. The
         returned copy's ``done`` resolves as :meth:`copy` answers. A copy of
@@ -287,12 +289,27 @@ class LeaseSlots:
         which every copy thread takes once it is planned; a smaller one is
         one chunk.
         """
-        copy = ChunkedCopy()
         gil_free = nbytes >= PARALLEL_COPY_MIN and (
             _native_copy_and_checksum is not None or nbytes >= GIL_FREE_COPY_MIN * count)
         bounds = copy_threads.chunk_bounds(count, nbytes) if gil_free else [0, count] if count else [0]
+        if run is not None and len(run.hashes) == count:
+            posted = self._post_rows(run, min(COPY_THREADS, max(len(bounds) - 1, 1)))
+            if posted is not None:
+                return posted
+        copy = ChunkedCopy()
         copy_threads.submit(self._plan_and_copy, copy, bounds, prepare, run)
         return copy
+
+    def _post_rows(self, run: RowRun, shares: int) -> PostedCopy | None:
+        """``run``'s copy made here and posted to the native copy threads; ``None`` where it cannot be (see :meth:`rows_copy`).
+
+        An error making it is left to the keyed plan on a copy thread, which reports it through ``done``.
+        """
+        try:
+            shared = self.rows_copy(run)
+            return None if shared is None else PostedCopy(shared, shares)
+        except Exception:  # noqa: BLE001 - the keyed plan meets it again and reports it
+            return None
 
     def _plan_and_copy(self, copy: ChunkedCopy, bounds: list[int],
                        prepare: Callable[[], tuple[Sequence[Any], Sequence[memoryview]]],

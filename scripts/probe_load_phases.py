@@ -15,12 +15,15 @@ also times, on the calling thread, two limits over the same bytes:
 
 Inside the load, timing wrappers (installed here, on the classes, for this
 process only) split it: the node round trip of the lookup on the loop thread
-(``NodeClient.lookup``); then, on the same-host path, the copy threads' work
-(``LeaseSlots._plan_and_copy`` on the thread that plans the copy: its keys,
-views and plan, and its share of the chunks), the plan (``LeaseSlots._plan``)
-and each chunk's checked copy (``LeaseSlots._copy_and_verify``); a load small
-enough to be copied on the calling thread shows ``NodeClient.read_here``
-instead. Whatever the table does not name is wake-ups, hops and the
+(``NodeClient.lookup``); then, on the same-host path, the making of the
+native copy from the slot map on the calling thread (``LeaseSlots.rows_copy``;
+the native copy threads that run it take no Python, so nothing times them
+here), or, for a load planned key by key (``--loop-path``, or without the
+native build), the copy threads' work (``LeaseSlots._plan_and_copy`` on the
+thread that plans the copy: its keys, views and plan, and its share), the
+plan (``LeaseSlots._plan``) and, in Python, each chunk's checked copy
+(``LeaseSlots._copy_and_verify``); a load small enough to be copied on the
+calling thread shows ``NodeClient.read_here`` instead. Whatever the table does not name is wake-ups, hops and the
 connector's bookkeeping. ``--loop-path`` also times, interleaved, the same
 load the way a same-host load over 256 KiB went before the copy threads took
 it: posted to the loop thread (``WorkerSide._read``, ``NodeClient.read``),
@@ -175,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                                           "load (load_lookup -> complete)": [], "whole load": []}
         limits: dict[str, list[float]] = {"memcpy": [], "copy+checksum": []}
         inside: dict[str, list[float]] = {}
-        wrapped = [(NodeClient, "lookup"), (NodeClient, "read"), (NodeClient, "read_here"),
+        wrapped = [(NodeClient, "lookup"), (NodeClient, "read"), (NodeClient, "read_here"), (LeaseSlots, "rows_copy"),
                    (LeaseSlots, "_plan_and_copy"), (LeaseSlots, "_plan"), (LeaseSlots, "_copy_and_verify"),
                    (WorkerSide, "_read"), (Connection, "recv_payloads")]
         in_place = WorkerSide.load_in_place
@@ -269,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
               f"load average {os.getloadavg()[0]:.2f}; switch interval {sys.getswitchinterval() * 1e3:g} ms")
         for name, samples in (*limits.items(), *phases.items()):
             print(f"  {name:36s} {p50_ms(samples):8.3f}   {p50_ms(samples) / memcpy_ms:5.2f} x memcpy")
-        print("  inside (the loop thread, the copy threads; read_here: a small load, on the calling thread):")
+        print("  inside (the loop thread, the copy threads; read_here, rows_copy: on the calling thread):")
         for label, samples in ((label, samples) for label, samples in inside.items() if samples):
             print(f"    {label:34s} {p50_ms(samples):8.3f}   ({len(samples)} calls)")
         whole = p50_ms(phases["whole load"])

@@ -44,9 +44,21 @@ class _Watched:
         return self._copy.work(hold_gil=hold_gil) and not self._hooks.fail
 
 
+def _no_native_pool(*_: Any) -> Any:
+    raise RuntimeError("copies are hooked: the native copy threads run no Python, so none is posted to them")
+
+
 def watch_copies(monkeypatch: pytest.MonkeyPatch, *, native: bool = True) -> CopyHooks:
-    """Hook every checked copy from here on (``native=False``: turn the native copies off first)."""
+    """Hook every checked copy from here on (``native=False``: turn the native copies off first).
+
+    The native copy threads (:class:`dkv.copy_threads.PostedCopy`) run no
+    Python, so a hooked copy is never posted to them: it takes the copy
+    threads' path instead, which makes the same native copy and runs it in
+    Python threads' shares. Tests of the native threads themselves need no
+    hook (tests/dkv/test_copy_threads.py, tests/dkv/test_checked_copy.py).
+    """
     hooks = CopyHooks()
+    monkeypatch.setattr(lease_slots, "PostedCopy", _no_native_pool)
     for name in ("_native_shared_copy", "_native_rows_copy"):
         real = getattr(lease_slots, name)
         if not native or real is None:

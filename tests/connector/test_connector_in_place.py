@@ -20,6 +20,7 @@ import time
 import pytest
 
 import dkv.lease_slots as lease_slots
+from dkv import copy_threads
 from connector.copy_engine import CopyEngine
 from connector.dkv_connector import DKVConnector
 from connector.transfer_plan import TransferPlan
@@ -241,6 +242,33 @@ def test_a_one_leaf_load_into_contiguous_rows_is_copied_with_no_key_or_view_made
     wait(conn.load({"full": [5, 4, 3, 2, 1]}, {"full": hashes}))  # each block into another row than it came from
     assert _rows(conn, "full", [5, 4, 3, 2, 1]) == expected
     assert conn.counters.loads_in_place == 1 and conn.counters.blocks_loaded == 5
+
+
+def test_a_load_on_the_native_copy_threads_completes_for_a_caller_that_only_polls(
+        node_factory, connectors, monkeypatch) -> None:
+    """No thread but the polling one needs the GIL to complete it: the watcher is kept out here, and it completes."""
+    if lease_slots._native_rows_copy is None:
+        pytest.skip("the native checked copy is not built (tests/dkv/test_checked_copy.py fails for that)")
+    monkeypatch.setattr("connector.worker_side.IN_PLACE_LOAD_BYTES", 0)  # every load goes to the copy threads
+    node = node_factory()
+    conn = connectors(node.address)
+    hashes = chain(4)
+    offload_chain(conn, conn._blocks, hashes)  # noqa: SLF001
+    expected = _rows(conn, "full", [1, 2, 3, 4])
+    for leaf in conn._blocks[0]:  # noqa: SLF001
+        fill(conn._blocks, leaf, [1, 2, 3, 4], seed=17)  # noqa: SLF001
+    conn.lookup(hashes)
+    held = threading.RLock()  # held here, the process's watcher cannot settle the copy
+    monkeypatch.setattr(copy_threads, "_posted_lock", held)
+    with held:
+        transfer = conn.load({"full": [1, 2, 3, 4]}, {"full": hashes})
+        assert not isinstance(transfer, CompletedTransfer)
+        deadline = time.monotonic() + BOUND
+        while not transfer.is_complete():
+            assert time.monotonic() < deadline, "the load never completed for a caller that only polls"
+            time.sleep(0.0005)
+    assert _rows(conn, "full", [1, 2, 3, 4]) == expected
+    assert conn.counters.loads_in_place == 1 and conn.counters.blocks_loaded == 4
 
 
 async def test_a_copy_thread_load_that_does_not_verify_is_read_the_two_step_way(

@@ -266,3 +266,62 @@ async def test_a_lease_copy_is_delivered_and_a_reused_slot_is_caught_on_either_p
     assert b"".join(dests) == bytes(data)
     data[(n - 1) * block + 3] ^= 0xFF  # the last slot reused meanwhile
     assert await slots.copy(keys, [memoryview(d) for d in dests]) is False
+
+
+def _ended_within(copy: Any, seconds: float = 30.0) -> bool | None:
+    deadline = time.monotonic() + seconds
+    while copy.result() is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return copy.result()
+
+
+@pytest.mark.parametrize("shares", [1, 2, 4])
+def test_a_copy_posted_to_the_native_threads_gets_every_block_once(shares: int) -> None:
+    b = _rows_batch(97, 20 * 1024)
+    copy = _rows_copy(b)
+    assert copy.result() is None  # not posted: never ended
+    copy.post(shares)
+    assert _ended_within(copy) is True
+    size = b["size"]
+    assert [bytes(b["rows"][i * size:(i + 1) * size]) for i in b["ids"]] == b["expected"]
+    with pytest.raises(RuntimeError, match="posted once"):
+        copy.post(1)
+
+
+def test_a_posted_copy_that_fails_its_checksums_or_is_stopped_ends_false() -> None:
+    b = _rows_batch(40, 16 * 1024)
+    bad = bytearray(b["sums"])
+    bad[16 * 39] ^= 1  # the last block's
+    failing = _rows_copy(b, sums=bytes(bad))
+    failing.post(2)
+    assert _ended_within(failing) is False
+    stopped = _rows_copy({**b, "rows": bytearray(len(b["rows"]))})
+    stopped.stop()
+    stopped.post(2)
+    assert _ended_within(stopped) is False
+    with pytest.raises(ValueError, match="1 to 8 shares"):
+        _rows_copy(b).post(0)
+
+
+def test_each_ended_copy_is_handed_out_once_and_one_freed_while_copying_is_waited_for() -> None:
+    from dkv._checked_copy import wait_ended
+
+    b = _rows_batch(64, 64 * 1024)
+    copies = [_rows_copy({**b, "rows": bytearray(len(b["rows"]))}) for _ in range(3)]
+    for copy in copies:
+        copy.post(2)
+    seen: list[Any] = []
+    deadline = time.monotonic() + 30
+    while len(seen) < 3 and time.monotonic() < deadline:  # the process's watcher may take some (posted copies)
+        seen += [c for c in wait_ended(0.05) if any(c is copy for copy in copies)]
+        if all(copy.result() is not None for copy in copies):
+            break
+    assert all(copy.result() is True for copy in copies)
+    assert len(seen) == len({id(c) for c in seen}), "a copy was handed out twice"
+    rows = bytearray(len(b["rows"]))
+    freed = _rows_copy({**b, "rows": rows})
+    freed.post(2)
+    del freed  # the dealloc stops it and waits for its shares: no native thread writes after it
+    after = bytes(rows)
+    time.sleep(0.3)
+    assert bytes(rows) == after

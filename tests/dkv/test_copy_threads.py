@@ -1,15 +1,21 @@
-"""The copy threads (dkv.copy_threads): chunks of one copy taken once each, failures and cancels that settle only when idle."""
+"""The copy threads (dkv.copy_threads): chunks of one copy taken once each, failures and cancels that settle only when idle;
+native copies posted to the native threads, settled by whoever sees them end first."""
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import threading
 import time
+from array import array
+from typing import Any
 
 import pytest
 
+import dkv.native as dkv_native
 from dkv import copy_threads
-from dkv.copy_threads import ChunkedCopy, chunk_bounds
+from dkv.checksum import block_checksum, block_head
+from dkv.copy_threads import ChunkedCopy, PostedCopy, chunk_bounds
 
 WAIT = 30.0
 
@@ -144,3 +150,79 @@ def test_a_forked_child_gets_copy_threads_of_its_own() -> None:
             child.kill()
             child.join(WAIT)
     assert child.exitcode == 0
+
+
+def _native_copy(blocks: int, size: int) -> tuple[Any, bytearray, bytes]:
+    """A native copy of ``blocks`` blocks into rows (see tests/dkv/test_checked_copy.py), its rows, and their source."""
+    from dkv._checked_copy import rows_copy
+
+    segment = os.urandom(blocks * size)
+    hashes = [os.urandom(32) for _ in range(blocks)]
+    sums = b"".join(block_checksum("L", 0, h, segment[i * size:(i + 1) * size]) for i, h in enumerate(hashes))
+    rows = bytearray(blocks * size)
+    copy = rows_copy(memoryview(segment), rows, size, list(range(blocks)),
+                     array("q", [i * size for i in range(blocks)]).tobytes(), array("q", [size] * blocks).tobytes(),
+                     sums, block_head("L", 0, size, 32), hashes)
+    return copy, rows, segment
+
+
+@pytest.fixture
+def native() -> None:
+    if dkv_native.CheckedCopy is None:
+        pytest.skip("the native checked copy is not built (tests/dkv/test_checked_copy.py fails for that)")
+
+
+def test_a_posted_copy_is_settled_by_the_watcher_with_no_one_polling(native: None) -> None:
+    copy, rows, segment = _native_copy(64, 16 * 1024)
+    posted = PostedCopy(copy, 2)
+    assert posted.done.result(timeout=WAIT) is True
+    assert bytes(rows) == segment
+
+
+def test_a_posted_copy_is_settled_by_the_thread_that_polls_it_without_waiting_for_the_watcher(
+        native: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    copy, rows, segment = _native_copy(64, 16 * 1024)
+    settled_on: list[threading.Thread] = []
+    held = threading.RLock()  # held here, the watcher cannot take the copy meanwhile (posting it takes it again)
+    monkeypatch.setattr(copy_threads, "_posted_lock", held)
+    with held:
+        posted = PostedCopy(copy, 2)
+        posted.done.add_done_callback(lambda _f: settled_on.append(threading.current_thread()))
+        deadline = time.monotonic() + WAIT
+        while not posted.poll():
+            assert time.monotonic() < deadline, "the native threads never ended the copy"
+            time.sleep(0.0005)
+        assert posted.done.result(timeout=0) is True and bytes(rows) == segment
+    assert settled_on == [threading.current_thread()]
+    time.sleep(0.2)  # the watcher sees it end too: it settles it no second time
+    assert settled_on == [threading.current_thread()] and posted.poll()
+
+
+def test_a_cancelled_posted_copy_resolves_false_and_writes_nothing_after(native: None) -> None:
+    copy, rows, _ = _native_copy(512, 128 * 1024)  # 64 MiB: still copying when it is cancelled
+    posted = PostedCopy(copy, 2)
+    posted.cancel()
+    assert posted.done.result(timeout=WAIT) is False
+    after = bytes(rows)
+    time.sleep(0.3)
+    assert bytes(rows) == after, "bytes landed after the cancelled copy settled"
+
+
+def _post_in_child(answer: "multiprocessing.Queue[object]") -> None:
+    copy, rows, segment = _native_copy(16, 4096)
+    answer.put(PostedCopy(copy, 2).done.result(timeout=WAIT) and bytes(rows) == segment)
+
+
+def test_a_forked_child_gets_native_copy_threads_and_a_watcher_of_its_own(native: None) -> None:
+    copy, _, _ = _native_copy(16, 4096)
+    assert PostedCopy(copy, 2).done.result(timeout=WAIT) is True  # the parent's pool and watcher exist
+    context = multiprocessing.get_context("fork")
+    answer = context.Queue()
+    child = context.Process(target=_post_in_child, args=(answer,))
+    child.start()
+    try:
+        assert answer.get(timeout=WAIT) is True
+    finally:
+        child.join(WAIT)
+        if child.is_alive():
+            child.kill()
