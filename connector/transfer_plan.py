@@ -18,10 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from connector.copy_engine import RowGroups
-from dkv.keys import HASH_LENGTHS, BlockKey, block_keys, check_hash
-
-_BYTES = {bytes}
-_LENGTHS = frozenset(HASH_LENGTHS)
+from dkv.keys import BlockKey, block_keys, check_hashes
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,14 +79,11 @@ def plan_transfer(block_ids: Mapping[str, Sequence[int]], block_hashes: Mapping[
         tensors = shards.get(leaf)
         if tensors is None:
             raise ValueError(f"unknown leaf {leaf!r}")
-        hashes = list(block_hashes.get(leaf, ()))
+        hashes = check_hashes(block_hashes.get(leaf, ()))  # one native pass where they are plain bytes
         if len(ids) != len(hashes):
             raise ValueError(f"leaf {leaf!r}: {len(ids)} block ids for {len(hashes)} hashes")
         if not hashes:
             continue
-        # fast path, without a Python-level loop per block: plain bytes of valid lengths, kept as they are
-        if set(map(type, hashes)) != _BYTES or not _LENGTHS.issuperset(map(len, hashes)):
-            hashes = [check_hash(x) for x in hashes]  # raises the boundary's ValueError, or converts
         try:
             rows = list(map(operator.index, ids))  # ints and numpy ints, never floats
         except TypeError:

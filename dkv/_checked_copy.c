@@ -332,10 +332,14 @@ static void *pool_thread(void *Py_UNUSED(arg)) {
         }
         share_t *share = pool.head;
         pool.head = share->next;
-        if (!pool.head) {
+        int more = pool.head != NULL;
+        if (!more) {
             pool.tail = NULL;
         }
         pthread_mutex_unlock(&pool.mu);
+        if (more) {
+            pthread_cond_signal(&pool.queued); /* the next thread is woken here, not by the posting thread */
+        }
         CheckedCopyObject *copy = share->copy;
         free(share);
         int ok = claim_and_check(copy, copy->run);
@@ -373,6 +377,9 @@ static void pool_after_fork_in_child(void) {
 
 /* Under pool.mu: at least ``wanted`` threads (as many as could be made); -1 when there are none. */
 static int pool_grow_locked(int wanted) {
+    if (pool.threads >= wanted) {
+        return 0;
+    }
     static int at_fork = 0;
     if (!at_fork) {
         if (pthread_atfork(pool_before_fork, pool_after_fork_in_parent, pool_after_fork_in_child) != 0) {
@@ -455,8 +462,8 @@ static PyObject *CheckedCopy_post(CheckedCopyObject *self, PyObject *arg) {
         pool.head = first;
     }
     pool.tail = last;
-    pthread_cond_broadcast(&pool.queued);
     pthread_mutex_unlock(&pool.mu);
+    pthread_cond_signal(&pool.queued); /* one wake-up on the posting thread: each thread woken wakes the next */
     Py_RETURN_NONE;
 }
 
