@@ -49,6 +49,18 @@ def _rows(conn: DKVConnector, leaf: str, ids: list[int]) -> list[bytes]:
     return [bytes(t[i].numpy()) for t in conn._blocks[0][leaf] for i in ids]  # noqa: SLF001
 
 
+def _offloaded_then_overwritten(conn: DKVConnector, n: int, seed: int) -> tuple[list[bytes], list[bytes]]:
+    """``n`` blocks offloaded from rows 1..n, which are then overwritten: their hashes, and the "full" rows' bytes
+    a load of them must bring back."""
+    hashes = chain(n)
+    offload_chain(conn, conn._blocks, hashes)  # noqa: SLF001
+    ids = list(range(1, n + 1))
+    expected = _rows(conn, "full", ids)
+    for leaf in conn._blocks[0]:  # noqa: SLF001
+        fill(conn._blocks, leaf, ids, seed=seed)  # noqa: SLF001
+    return hashes, expected
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_a_lookup_in_place_answers_as_on_the_loop_and_its_load_is_bit_exact(node_factory, connectors, tp: int) -> None:
     node = node_factory()
@@ -185,11 +197,7 @@ async def test_a_load_over_the_in_place_bound_is_copied_on_the_copy_threads_and_
     monkeypatch.setattr("connector.worker_side.STATS_INTERVAL", 600.0)  # no stats request carries the end
     node = node_factory("--lease-ttl", "60")  # only the client's end can end the lease within the test's bound
     conn = connectors(node.address)
-    hashes = chain(4)
-    offload_chain(conn, conn._blocks, hashes)  # noqa: SLF001
-    expected = _rows(conn, "full", [1, 2, 3, 4])
-    for leaf in conn._blocks[0]:  # noqa: SLF001
-        fill(conn._blocks, leaf, [1, 2, 3, 4], seed=5)  # noqa: SLF001
+    hashes, expected = _offloaded_then_overwritten(conn, 4, seed=5)
     conn.lookup(hashes)
     posted_to_loop = []
     monkeypatch.setattr(WorkerSide, "post_load", lambda *a: posted_to_loop.append(a))
@@ -220,11 +228,7 @@ def test_a_one_leaf_load_into_contiguous_rows_is_copied_with_no_key_or_view_made
         monkeypatch.setattr("connector.worker_side.IN_PLACE_LOAD_BYTES", 0)
     node = node_factory()
     conn = connectors(node.address)
-    hashes = chain(5)
-    offload_chain(conn, conn._blocks, hashes)  # noqa: SLF001
-    expected = _rows(conn, "full", [1, 2, 3, 4, 5])
-    for leaf in conn._blocks[0]:  # noqa: SLF001
-        fill(conn._blocks, leaf, [1, 2, 3, 4, 5], seed=13)  # noqa: SLF001
+    hashes, expected = _offloaded_then_overwritten(conn, 5, seed=13)
 
     def no_keys(*_: object) -> None:
         raise AssertionError("the load's keys were made")
@@ -252,11 +256,7 @@ def test_a_load_on_the_native_copy_threads_completes_for_a_caller_that_only_poll
     monkeypatch.setattr("connector.worker_side.IN_PLACE_LOAD_BYTES", 0)  # every load goes to the copy threads
     node = node_factory()
     conn = connectors(node.address)
-    hashes = chain(4)
-    offload_chain(conn, conn._blocks, hashes)  # noqa: SLF001
-    expected = _rows(conn, "full", [1, 2, 3, 4])
-    for leaf in conn._blocks[0]:  # noqa: SLF001
-        fill(conn._blocks, leaf, [1, 2, 3, 4], seed=17)  # noqa: SLF001
+    hashes, expected = _offloaded_then_overwritten(conn, 4, seed=17)
     conn.lookup(hashes)
     held = threading.RLock()  # held here, the process's watcher cannot settle the copy
     monkeypatch.setattr(copy_threads, "_posted_lock", held)
@@ -277,11 +277,7 @@ async def test_a_copy_thread_load_that_does_not_verify_is_read_the_two_step_way(
     watch_copies(monkeypatch).fail = True  # as if a slot had been reused
     node = node_factory()
     conn = connectors(node.address)
-    hashes = chain(3)
-    offload_chain(conn, conn._blocks, hashes)  # noqa: SLF001
-    expected = _rows(conn, "full", [1, 2, 3])
-    for leaf in conn._blocks[0]:  # noqa: SLF001
-        fill(conn._blocks, leaf, [1, 2, 3], seed=7)  # noqa: SLF001
+    hashes, expected = _offloaded_then_overwritten(conn, 3, seed=7)
     conn.lookup(hashes)
     wait(conn.load({"full": [1, 2, 3]}, {"full": hashes}))  # the lease still holds: the node's read delivers
     assert _rows(conn, "full", [1, 2, 3]) == expected
@@ -295,10 +291,7 @@ def test_a_shutdown_waits_for_a_copy_thread_load_past_its_drain_and_nothing_land
     monkeypatch.setattr("connector.worker_side.IN_PLACE_LOAD_BYTES", 0)
     node = node_factory()
     conn = connectors(node.address, timeout=1.0)  # shutdown drains transfers for 2 s, then closes
-    hashes = chain(3)
-    offload_chain(conn, conn._blocks, hashes)  # noqa: SLF001
-    for leaf in conn._blocks[0]:  # noqa: SLF001
-        fill(conn._blocks, leaf, [1, 2, 3], seed=11)  # noqa: SLF001
+    hashes, _ = _offloaded_then_overwritten(conn, 3, seed=11)
     copying = threading.Event()
 
     def slow_copy(_blocks: int) -> None:
