@@ -92,8 +92,8 @@ class PostedCopy:
         """Any thread: post ``copy`` as ``shares`` shares (``RuntimeError``: no native thread could be started)."""
         self.done: concurrent.futures.Future[bool] = concurrent.futures.Future()
         self._copy = copy
+        self._key = id(copy)  # the watcher's key: the native copy hands back itself
         self._lock = threading.Lock()
-        self._settled = False
         self._cancelled = False
         _watch(self)
         try:
@@ -104,9 +104,10 @@ class PostedCopy:
 
     def poll(self) -> bool:
         """Any thread: settle the copy if the native threads are through with it; True once it is settled."""
-        if self._settled:
+        copy = self._copy
+        if copy is None:
             return True
-        if self._copy.result() is None:
+        if copy.result() is None:
             return False
         self._settle()
         return True
@@ -114,14 +115,25 @@ class PostedCopy:
     def cancel(self) -> None:
         """Any thread: claim no further block; :attr:`done` resolves (False) once the blocks being copied end."""
         self._cancelled = True
-        self._copy.stop()
+        copy = self._copy
+        if copy is not None:
+            copy.stop()
 
     def _settle(self) -> None:
+        """Resolve :attr:`done` once, and let go of the native copy.
+
+        The native copy holds the segment's and the rows' buffers: a
+        transfer kept on the engine's books after it completed must not keep
+        them (a segment with a buffer exported cannot be unmapped when its
+        node restarts).
+        """
         with self._lock:
-            if self._settled:
-                return
-            self._settled = True
-        ok = bool(self._copy.result()) and not self._cancelled
+            copy, self._copy = self._copy, None
+        if copy is None:
+            return
+        ok = bool(copy.result()) and not self._cancelled
+        _unwatch(self)
+        del copy  # ended: no native thread uses it; freeing it releases its buffers
         if self.done.set_running_or_notify_cancel():
             self.done.set_result(ok)
 
@@ -136,17 +148,17 @@ WATCH_WAKE = 1.0  # seconds: how often the idle watcher wakes (only to be interr
 def _watch(posted: PostedCopy) -> None:
     global _watcher_pid
     with _posted_lock:
-        _posted[id(posted._copy)] = posted
         if _watcher_pid != os.getpid():  # first use, or a forked child: the parent's watcher is not here
-            _posted.clear()
-            _posted[id(posted._copy)] = posted
             threading.Thread(target=_watcher, name="dkv-copy-watcher", daemon=True).start()
+            _posted.clear()
             _watcher_pid = os.getpid()
+        _posted[posted._key] = posted
 
 
 def _unwatch(posted: PostedCopy) -> None:
     with _posted_lock:
-        _posted.pop(id(posted._copy), None)
+        if _posted.get(posted._key) is posted:
+            del _posted[posted._key]
 
 
 def _watcher() -> None:
@@ -154,11 +166,16 @@ def _watcher() -> None:
     from dkv import _checked_copy  # only posted copies start this thread, and they need the native build
 
     while True:
-        for copy in _checked_copy.wait_ended(WATCH_WAKE):
-            with _posted_lock:
-                posted = _posted.pop(id(copy), None)
-            if posted is not None:
-                posted._settle()  # noqa: SLF001 - the module's own class
+        _settle_ended(_checked_copy.wait_ended(WATCH_WAKE))
+
+
+def _settle_ended(ended: list[Any]) -> None:
+    """The watcher: settle these ended copies (a function of its own, so that no reference outlives it)."""
+    for copy in ended:
+        with _posted_lock:
+            posted = _posted.pop(id(copy), None)
+        if posted is not None:
+            posted._settle()  # noqa: SLF001 - the module's own class
 
 
 class ChunkedCopy:
@@ -203,8 +220,9 @@ class ChunkedCopy:
         share of blocks it claims itself, without the GIL.
         """
         with self._lock:
-            self._stop = stop
-            self._bounds, self._copy_chunk = bounds, copy_chunk
+            if not self._settled:  # (a copy cancelled before it started keeps nothing)
+                self._stop = stop
+                self._bounds, self._copy_chunk = bounds, copy_chunk
             self._chunks = max(len(bounds) - 1, 0)
             self._ready = True
             empty = not self._chunks
@@ -265,6 +283,8 @@ class ChunkedCopy:
             self._settled = True
             error = self._error
             ok = self._ok and self._ready and self._ended == self._chunks
+            # nothing is copied from here on: what the copy holds (a native copy, its buffers) goes now
+            self._copy_chunk = self._stop = None
         if self.done.set_running_or_notify_cancel():
             if error is not None:
                 self.done.set_exception(error)
