@@ -25,6 +25,10 @@
  * rows_copy(segment, rows, row_bytes, ids, offsets, sizes, sums, head, hashes) makes a CheckedCopy of a
  * load whose destinations are rows of one buffer, straight from a lease's packed slot map, so the caller
  * builds no per-block view, prefix or plan: None when a slot cannot be copied this way.
+ *
+ * CheckedCopy.post(shares) hands a copy to this module's native threads (see "the pool" below), which run
+ * its shares and never take the GIL; result() reads whether it has ended, and wait_ended(timeout) hands
+ * each ended copy to Python once (dkv.copy_threads.PostedCopy's watcher).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
