@@ -202,7 +202,7 @@ class WorkerSide:
         self.router: Router | None = None
         self.etcd_client: Any = None
         self.closed = False
-        self.transfers: list[Transfer] = []  # scheduler thread: posted, not yet seen settled
+        self.transfers: collections.deque[Transfer] = collections.deque()  # scheduler thread: posted, oldest first
         self.tasks: set[concurrent.futures.Future[Any]] = set()
         self._tasks_lock = threading.Lock()  # tasks and background, changed from any thread
         self.background = 0  # fire-and-forget touches in flight
@@ -609,10 +609,11 @@ class WorkerSide:
             self.tasks.add(future)
             self._copies.add(copy)
         future.add_done_callback(self._forget)
+        held = [copy]  # taken by landed(): a closure holding the copy would make a cycle with the copy's future
 
         def landed(done: concurrent.futures.Future[bool]) -> None:  # the copy thread that ended it (or this one)
             with self._tasks_lock:
-                self._copies.discard(copy)
+                self._copies.discard(held.pop())
             error = None if done.cancelled() else done.exception()
             if not done.cancelled() and error is None and done.result():
                 self._landed_in_place(state, plan, client, started, posted=True)
@@ -762,13 +763,27 @@ class WorkerSide:
 
     def poll_transfers(self) -> None:
         """Scheduler thread: drop settled transfers from the books."""
-        self.transfers = [t for t in self.transfers if not t._future.done()]
+        self.transfers = collections.deque(t for t in self.transfers if not t._future.done())
 
     def _book(self, transfer: Transfer) -> None:
-        """Scheduler thread: keep ``transfer`` on the books; past ``MAX_BOOKED``, settled ones are dropped first."""
-        if len(self.transfers) >= MAX_BOOKED:
+        """Scheduler thread: keep ``transfer`` on the books, after dropping the settled ones at their head.
+
+        Transfers mostly settle in the order they were posted, so the books
+        stay about as long as the transfers in flight, and each call frees
+        about one. A settled transfer left there would keep its plan (the
+        hashes and block ids of every block) alive, for the garbage collector
+        to walk in each young collection on whichever thread allocates, the
+        scheduler's too; and dropping hundreds at once would cost one call
+        hundreds of µs. Past ``MAX_BOOKED`` (one old transfer that does not
+        settle), every settled one is dropped.
+        """
+        books = self.transfers
+        while books and books[0]._future.done():
+            books.popleft()
+        if len(books) >= MAX_BOOKED:
             self.poll_transfers()
-        self.transfers.append(transfer)
+            books = self.transfers
+        books.append(transfer)
 
     # ---- touches and resets -----------------------------------------------------------------------
 

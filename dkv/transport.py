@@ -53,6 +53,7 @@ import asyncio
 import collections
 import contextlib
 import ctypes
+import functools
 import logging
 import mmap
 import os
@@ -951,7 +952,13 @@ def _span(buffers: Sequence[Any], sizes: Sequence[int], writable: bool = False) 
         if arr.ptr != end or arr.cuda or not arr.c_contiguous or (writable and arr.readonly):
             return None
         end += n
-    return (ctypes.c_char * (end - base)).from_address(base)
+    return _char_array(end - base).from_address(base)
+
+
+@functools.lru_cache(maxsize=256)
+def _char_array(length: int) -> Any:
+    """The ctypes array type of ``length`` chars, kept: ctypes made a new one now and then, collectable only by the GC."""
+    return ctypes.c_char * length
 
 
 def _canary_view(buffer: Any) -> memoryview | None:

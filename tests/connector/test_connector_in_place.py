@@ -303,6 +303,40 @@ def test_a_completed_load_holds_no_buffer_of_the_nodes_segment(node_factory, con
             time.sleep(0.05)
 
 
+@pytest.mark.parametrize("where", ["in place", "copy threads", "listener"])
+def test_settled_loads_leave_the_books_and_no_garbage_for_the_collector(node_factory, connectors, monkeypatch,
+                                                                       where: str) -> None:
+    """Settled transfers are dropped from the books as new ones come, and a load makes no reference cycle.
+
+    Either would leave each load's plan (every block's hash and id), futures
+    and closures for the garbage collector, which walks them in the young
+    collections that run on whichever thread allocates, the scheduler's
+    too: measured, a 1.4 ms collection inside a 64-block ``load()``.
+    """
+    import gc
+
+    if where == "copy threads":
+        monkeypatch.setattr("connector.worker_side.IN_PLACE_LOAD_BYTES", 0)
+    node = node_factory()
+    conn = connectors(node.address, local=False) if where == "listener" else connectors(node.address)
+    hashes, expected = _offloaded_then_overwritten(conn, 4, seed=23)
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what the collector finds unreachable is kept in gc.garbage, for this test
+    try:
+        for _ in range(40):  # never polled by the engine: only the books drop them
+            conn.lookup(hashes)
+            wait(conn.load({"full": [1, 2, 3, 4]}, {"full": hashes}))
+        booked = len(conn._worker.transfers)  # noqa: SLF001
+        gc.collect()
+        garbage = sorted({type(o).__qualname__ for o in gc.garbage})
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert _rows(conn, "full", [1, 2, 3, 4]) == expected
+    assert booked <= 2, f"{booked} settled loads kept on the books"
+    assert not garbage, f"loads left cycles for the collector: {garbage}"
+
+
 async def test_a_copy_thread_load_that_does_not_verify_is_read_the_two_step_way(
         node_factory, connectors, monkeypatch) -> None:
     monkeypatch.setattr("connector.worker_side.IN_PLACE_LOAD_BYTES", 0)  # every load goes to the copy threads
