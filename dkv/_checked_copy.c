@@ -34,6 +34,7 @@
 #include <Python.h>
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -329,6 +330,12 @@ static void share_ended_locked(CheckedCopyObject *copy, int ok) {
 }
 
 static void *pool_thread(void *Py_UNUSED(arg)) {
+    /* SCHED_BATCH: a copy thread woken by post() takes an idle core, or waits for the running thread's turn to
+     * end; it never preempts the thread that posted (the engine's scheduler thread). Its share of the CPU is
+     * unchanged. (Measured, a 64-block load() while 256 x 256 KiB loads run: post() 23-36 -> 13 us on average,
+     * calls over 300 us 3-5 -> 0-1 in 1000.) Where the policy cannot be set, the thread runs as it is. */
+    struct sched_param batch = {0};
+    (void)sched_setscheduler(0, SCHED_BATCH, &batch);
     for (;;) {
         pthread_mutex_lock(&pool.mu);
         while (!pool.head) {

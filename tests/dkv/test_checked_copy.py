@@ -325,3 +325,24 @@ def test_each_ended_copy_is_handed_out_once_and_one_freed_while_copying_is_waite
     after = bytes(rows)
     time.sleep(0.3)
     assert bytes(rows) == after
+
+
+def test_the_native_copy_threads_run_as_batch_work_so_a_wake_up_never_preempts_the_poster() -> None:
+    b = _rows_batch(64, 16 * 1024)
+    for _ in range(3):  # each post wakes at least one thread; two shares start the pool's first two
+        copy = _rows_copy({**b, "rows": bytearray(len(b["rows"]))})
+        copy.post(2)
+        assert _ended_within(copy) is True
+    python_threads = {t.native_id for t in threading.enumerate()}
+    native = [int(tid) for tid in os.listdir("/proc/self/task") if int(tid) not in python_threads]
+    policies = {}
+    for tid in native:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            name = f.read().strip()
+        try:
+            policies[tid] = (name, os.sched_getscheduler(tid))
+        except OSError:  # it ended meanwhile (a thread of another library)
+            continue
+    batch = [tid for tid, (_, policy) in policies.items() if policy == os.SCHED_BATCH]
+    assert len(batch) >= 2, f"no two threads run under SCHED_BATCH: {policies}"
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER, "the posting thread's own policy is left as it was"
