@@ -19,6 +19,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import operator
 import os
 import resource
 import secrets
@@ -50,7 +51,8 @@ from dkv.store import (
     StoreKey,
     Use,
 )
-from dkv.transport import Connection, Listener, active_progress_mode, payload_groups, stop_progress
+from dkv.transport import (Connection, Listener, active_progress_mode, payload_groups, payload_plan, plan_groups,
+                           stop_progress)
 from dkv.units import is_loopback
 from dkv.wire import (
     MAX_FRAME,
@@ -773,22 +775,45 @@ class NodeServer:
                                      reader=peer.conn_owner)
         if req["end"]:
             self.store.end_lease(req["lease"])
-        slots = read.slots
-        sizes = [p.size for p in slots]
-        sums = [p.checksum for p in slots]  # the client checks what it received against these
+        sizes, sums = read.sizes, read.checksums  # the client checks what it received against the sums
         if req["shm"]:
-            await self._reply(peer, sizes=sizes, offsets=[p.offset for p in slots], read=read.read_id, sums=sums)
+            await self._reply(peer, sizes=sizes, offsets=read.offsets, read=read.read_id, sums=sums)
             self.traffic["out"]["local"] += sum(sizes)
             return  # the client copies from the shared arena, then sends done
         try:
-            held = [p for p in slots if p.size]
-            groups = payload_groups([p.size for p in held], [p.offset for p in held])  # back-to-back slots join
-            await self._reply(peer, sizes=sizes, sums=sums, groups=groups)
-            await peer.conn.send_payloads([self.arena.slot(peer.namespace, p.offset, p.size) for p in held],
-                                          self.config.op_timeout, groups)
+            if all(sizes):
+                offsets, held_sizes = read.offsets, sizes
+            else:
+                offsets = [o for o, n in zip(read.offsets, sizes) if n]
+                held_sizes = [n for n in sizes if n]
+            plan = payload_plan(held_sizes, offsets)  # back-to-back slots join
+            await self._reply(peer, sizes=sizes, sums=sums, groups=plan_groups(plan))
+            buffers, counts = self._payload_buffers(peer.namespace, plan, offsets, held_sizes)
+            await peer.conn.send_payloads(buffers, self.config.op_timeout, counts)
             self.traffic["out"]["listener"] += sum(sizes)
         finally:
             self.store.end_read(read.read_id)
+
+    def _payload_buffers(self, namespace: str, plan: list[tuple[int, int]], offsets: list[int],
+                         sizes: list[int]) -> tuple[list[memoryview], list[int]]:
+        """The buffers that send ``plan``'s messages, and how many of them each message takes.
+
+        A message of slots that lie back to back is one view of the arena;
+        one of slots apart is its slots' views (the transport gathers them).
+        """
+        slot = self.arena.slot
+        buffers: list[memoryview] = []
+        counts: list[int] = []
+        for start, end in plan:
+            last = end - 1
+            if end - start == 1 or all(map(operator.eq, map(operator.add, offsets[start:last], sizes[start:last]),
+                                           offsets[start + 1:end])):
+                buffers.append(slot(namespace, offsets[start], offsets[last] + sizes[last] - offsets[start]))
+                counts.append(1)
+            else:
+                buffers += [slot(namespace, offsets[i], sizes[i]) for i in range(start, end)]
+                counts.append(end - start)
+        return buffers, counts
 
     async def _op_done(self, peer: _Peer, req: dict[str, Any]) -> None:
         """A same-host client finished copying a read: drop its pins; ``intact`` says they held throughout."""

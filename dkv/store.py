@@ -244,10 +244,21 @@ class SlotPlan(NamedTuple):
 
 
 class ReadPlan(NamedTuple):
-    """A started read: its id (for :meth:`Store.end_read`) and one slot per requested key."""
+    """A started read: its id (for :meth:`Store.end_read`) and, per requested key, its slot's offset, size and checksum.
+
+    Kept as columns, which is how a node answers and sends them (the
+    listener path sends each run of back-to-back slots as one message).
+    """
 
     read_id: int
-    slots: list[SlotPlan]
+    offsets: list[int]
+    sizes: list[int]
+    checksums: list[bytes | None]
+
+    @property
+    def slots(self) -> list[SlotPlan]:
+        """One :class:`SlotPlan` per requested key, in order."""
+        return list(map(SlotPlan, self.offsets, self.sizes, self.checksums))
 
 
 class DiskRead(NamedTuple):
@@ -677,22 +688,23 @@ class Store:
             self.counters.reads_refused += 1
             raise LeaseExpired("lease_expired", f"lease {lease_id} is not held (expired, ended or never granted)")
         covered = lease.keys
-        missing = [k for k in keys if k not in covered]
-        if missing:
+        if not all(map(covered.__contains__, keys)):
+            missing = [k for k in keys if k not in covered]
             self.counters.reads_refused += 1
             raise LeaseExpired("lease_expired", f"{len(missing)} requested block(s) are not covered by lease {lease_id}")
-        blocks = self.blocks
         distinct = list(dict.fromkeys(keys))
-        for key in distinct:
-            self._pin(blocks[key])
+        held = list(map(self.blocks.__getitem__, distinct))  # (a lease's blocks stay indexed while it holds them)
+        for block in held:
+            self._pin(block)
         owner = reader if reader is not None else lease_owner
         read = Read(next(self._ids), owner, distinct, self.clock() + self.read_ttl)
         self.reads[read.read_id] = read
         self._owner_reads.setdefault(owner, {})[read.read_id] = None
         self._schedule_expiry(read.expires_at, _READ, read.read_id)
-        slots = [SlotPlan(blocks[k].offset, blocks[k].size, blocks[k].checksum) for k in keys]
-        self._stamp((k, covered[k]) for k in distinct)
-        return ReadPlan(read.read_id, slots)
+        picked = held if len(distinct) == len(keys) else list(map(self.blocks.__getitem__, keys))
+        self._stamp_blocks(held, list(map(covered.__getitem__, distinct)))
+        return ReadPlan(read.read_id, [b.offset for b in picked], [b.size for b in picked],
+                        [b.checksum for b in picked])
 
     def end_read(self, read_id: int) -> bool:
         """End a read and drop its pins. True when its pins were still held (the read is intact).
