@@ -27,6 +27,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import operator
 import os
 import secrets
 import threading
@@ -57,7 +58,8 @@ from dkv.errors import (
     remote_error,
 )
 from dkv.hostid import host_id
-from dkv.keys import MAX_TP_SHARDS, BlockKey, check_hashes, check_leaf, check_namespace, check_shard
+from dkv.keys import (MAX_TP_SHARDS, BlockKey, check_hashes, check_leaf, check_namespace, check_shard,
+                      plain_hashes)
 from dkv.store import WRITE
 from dkv.handover import redeem
 from dkv.lease_slots import LeaseSlots, RowRun
@@ -975,7 +977,7 @@ class NodeClient:
                         await self.release(lease_id)
                 raise
 
-    async def _key_runs(self, wire_keys: Sequence[list[Any]], *, extra_per_key: int,
+    async def _key_runs(self, wire_keys: Sequence[Any], *, extra_per_key: int,
                         base: dict[str, Any]) -> list[range]:
         """Runs of ``wire_keys`` that each fit one request within the node's ``max_keys`` and ``max_frame``."""
         await self._known_limits()
@@ -991,7 +993,7 @@ class NodeClient:
         return chunk_ranges(len(wire_keys), max_count=self.limit("max_keys"), max_bytes=self.limit("max_frame"),
                             item_bytes=sizes, fixed_bytes=len(encode_body(base)) + FRAME_SLACK)
 
-    async def _read_run(self, lease_id: int, wire_keys: list[list[Any]], views: list[memoryview],
+    async def _read_run(self, lease_id: int, wire_keys: list[Any], views: list[memoryview],
                         end_lease: bool) -> None:
         """One read request (see :meth:`read`), then the check of each block against its checksum.
 
@@ -1047,7 +1049,7 @@ class NodeClient:
         if self.checksums:
             self._check_sums(wire_keys, views, sums, known)
 
-    def _check_sums(self, wire_keys: Sequence[list[Any]], views: Sequence[memoryview], sums: Any,
+    def _check_sums(self, wire_keys: Sequence[Any], views: Sequence[memoryview], sums: Any,
                     known: Sequence[bool | None] = ()) -> None:
         """:class:`ChecksumMismatch` unless every block's bytes match the checksum the node returned for it.
 
@@ -1140,7 +1142,7 @@ class NodeClient:
         parts.append(range(start, run.stop))
         return parts
 
-    async def _write_run(self, wire_keys: list[list[Any]], views: list[memoryview]) -> WriteResult:
+    async def _write_run(self, wire_keys: list[Any], views: list[memoryview]) -> WriteResult:
         """One two-phase write (see :meth:`write`).
 
         With ``checksums``, each block's checksum is taken from its source
@@ -1298,7 +1300,30 @@ def _sums_for(sums: Any, count: int) -> list[Any]:
     return sums if isinstance(sums, list) and len(sums) == count else [None] * count
 
 
-def _wire_keys(keys: Sequence[BlockKey]) -> list[list[Any]]:
+_KEY_TYPES = {BlockKey, tuple, list}
+
+
+def _fine_leaf(leaf: str) -> bool:
+    try:
+        return bool(check_leaf(leaf))
+    except ValueError:
+        return False
+
+
+def _wire_keys(keys: Sequence[BlockKey]) -> list[Any]:
+    """Each key as the wire carries it, ``[leaf, shard, hash]``, checked (``ValueError`` names the first bad one).
+
+    Column by column (each distinct leaf once, the hashes in one native
+    pass), as a read's keys mostly share their leaf and shard; any doubt
+    and each key is checked on its own, for the error that names it.
+    """
+    if keys and set(map(type, keys)) <= _KEY_TYPES and set(map(len, keys)) == {3}:
+        leaves = list(map(operator.itemgetter(0), keys))
+        shards = list(map(operator.itemgetter(1), keys))
+        if (set(map(type, leaves)) == {str} and set(map(type, shards)) == {int} and min(shards) >= 0
+                and max(shards) < MAX_TP_SHARDS and all(map(_fine_leaf, set(leaves)))
+                and plain_hashes(list(map(operator.itemgetter(2), keys)))):
+            return list(keys)  # (msgpack sends a tuple as the array a list would be)
     return [[check_leaf(k[0]), check_shard(k[1]), check_hashes([k[2]])[0]] for k in keys]
 
 

@@ -115,6 +115,31 @@ def test_a_plan_with_offsets_joins_back_to_back_large_buffers_under_the_group_bo
     assert transport.payload_plan(sizes, offsets)[0] == transport.payload_plan(sizes)[0]
 
 
+def test_the_native_buffer_run_is_built() -> None:
+    assert transport._buffer_run is not None, (
+        "dkv._buffer_run was not built: install a C compiler, then `pip install -e .` again (scripts/run.sh does both)")
+
+
+@pytest.mark.parametrize("twin", ["native", "python"])
+def test_a_span_covers_buffers_only_where_they_lie_back_to_back_and_writable_when_asked(twin: str) -> None:
+    span = transport._span if twin == "native" else transport._span_python
+    whole = bytearray(os.urandom(4096))
+    view = memoryview(whole)
+    cuts = [view[0:100], view[100:1000], view[1000:4096]]
+    sizes = [c.nbytes for c in cuts]
+    for writable in (False, True):
+        got = span(cuts, sizes, writable)
+        assert got is not None and bytes(memoryview(got).cast("B")) == bytes(whole)
+    assert span([view[0:100], view[200:300]], [100, 100]) is None  # a gap
+    assert span([view[100:200], view[0:100]], [100, 100]) is None  # back to back the other way round
+    assert span([view[:1]], [1]) is not None
+    frozen = memoryview(bytes(whole))
+    assert span([frozen[:10], frozen[10:20]], [10, 10], True) is None  # read-only: no writable span
+    assert span([frozen[:10], frozen[10:20]], [10, 10], False) is not None
+    strided = memoryview(np.arange(64, dtype=np.uint8))[::2]
+    assert span([strided, strided], [32, 32]) is None  # not C-contiguous
+
+
 def test_an_announced_plan_is_taken_only_when_it_covers_every_buffer_within_the_group_bound() -> None:
     quarter = transport.GROUP_BYTES // 4
     sizes = [quarter] * 9
