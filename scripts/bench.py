@@ -73,7 +73,7 @@ for _p in (str(ROOT), str(Path(__file__).resolve().parent)):
         sys.path.insert(0, _p)
 
 import bench_common  # noqa: E402
-from bench_common import die_with_parent, latency_summary_us, pid_alive, rotate  # noqa: E402
+from bench_common import die_with_parent, latency_summary_us, pid_alive, rotate, run_queue_ns  # noqa: E402
 from dkv.units import format_size, parse_size  # noqa: E402
 
 PAGE = 4096
@@ -174,6 +174,12 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _queued_since(before: int | None) -> int | None:
+    """Run-queue ns of this thread since ``before`` (:func:`run_queue_ns`), or None where unreadable."""
+    after = run_queue_ns()
+    return None if before is None or after is None else after - before
 
 
 def wait_done(item: Any, what: str, timeout: float = OP_TIMEOUT) -> None:
@@ -1083,6 +1089,7 @@ class Bench:
         gc.collect()
         gc.freeze()  # as engines do after start-up: what the set-up left alive is never scanned again
         samples: dict[str, list[int]] = collections.defaultdict(list)
+        slow: dict[str, list[tuple[int, int | None]]] = collections.defaultdict(list)  # over the p99 goal
         gc_runs = [0]
 
         def on_gc(phase: str, _info: dict[str, Any]) -> None:
@@ -1103,25 +1110,33 @@ class Bench:
                 masks = conn.lookup(call_hashes)
                 if not all(masks[LEAF]):
                     raise BenchError(f"lookup found {sum(masks[LEAF])}/{CALL_BLOCKS}")
+                queued = run_queue_ns()  # read outside the timed window, as each one below
                 t0 = time.perf_counter_ns()
                 transfer = conn.load({LEAF: ids}, {LEAF: call_hashes})
                 t_load = time.perf_counter_ns() - t0
+                q_load = _queued_since(queued)
                 wait_done(transfer, "load")
                 handle = conn.start_lookup(call_hashes)
                 wait_done(handle, "start_lookup")
+                queued = run_queue_ns()
                 t0 = time.perf_counter_ns()
                 transfer = conn.load_lookup(handle, {LEAF: ids}, {LEAF: call_hashes})
                 t_ll = time.perf_counter_ns() - t0
+                q_ll = _queued_since(queued)
                 wait_done(transfer, "load_lookup")
                 fresh = chain(CALL_BLOCKS)
+                queued = run_queue_ns()
                 t0 = time.perf_counter_ns()
                 transfer = conn.offload({LEAF: ids}, {LEAF: fresh})
                 t_off = time.perf_counter_ns() - t0
+                q_off = _queued_since(queued)
                 wait_done(transfer, "offload")
                 if i >= warm:
-                    samples["load"].append(t_load)
-                    samples["load_lookup"].append(t_ll)
-                    samples["offload"].append(t_off)
+                    for op, took, waited in (("load", t_load, q_load), ("load_lookup", t_ll, q_ll),
+                                             ("offload", t_off, q_off)):
+                        samples[op].append(took)
+                        if took > GOAL_CALL_P99_US * 1e3:
+                            slow[op].append((took, waited))
         finally:
             stop.set()
             thread.join(OP_TIMEOUT)
@@ -1134,6 +1149,10 @@ class Bench:
         self.run(call_writer.clear())
         self.run(bg_writer.clear())
         out: dict[str, Any] = {op: latency_summary_us(v) for op, v in samples.items()}
+        for op in samples:  # the calls over the p99 goal, and those that spent most of it waiting for a CPU
+            out[op]["over_p99_goal"] = len(slow[op])
+            out[op]["over_p99_goal_mostly_queued"] = sum(1 for took, waited in slow[op]
+                                                         if waited is not None and 2 * waited > took)
         out["blocks"] = CALL_BLOCKS
         out["page"] = CALL_PAGE
         out["background"] = {"blocks": bg_n, "page": bg_page, "loads_completed": bg_done[0],
@@ -1333,6 +1352,10 @@ def print_report(doc: dict[str, Any], file: Any = None) -> None:
     table.add_row("  (meanwhile, background loads)",
                   f"{bgi['loads_completed']} loads of {bgi['blocks']} x {format_size(bgi['page'])}, "
                   f"{bgi['gbps']:.2f} GB/s; {sched['gc_runs_during']} GC runs", "", "")
+    table.add_row(f"  (calls over {GOAL_CALL_P99_US:.0f} µs; of them, waiting for a CPU most of the time)",
+                  "  ".join(f"{op}: {sched[op].get('over_p99_goal', 0)}; "
+                            f"{sched[op].get('over_p99_goal_mostly_queued', 0)}"
+                            for op in ("load", "load_lookup", "offload")), "", "")
     table.add_section()
     for path in cfg["scale_paths"]:
         cells = "  ".join(f"{s['nodes']} node{'s' if s['nodes'] > 1 else ''}: {s['median_gbps']:.2f}"

@@ -89,6 +89,19 @@ def direct_client(loop: Any, address: str, namespace: str, timeout: float) -> An
     return client
 
 
+def run_queue_ns() -> int | None:
+    """Nanoseconds this thread has spent runnable but waiting for a CPU (Linux schedstat), or None where unreadable.
+
+    The difference over a call tells a call that waited on the run queue
+    (another thread or process had the CPU) from one that ran long.
+    """
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def latency_summary_us(samples_ns: Sequence[int]) -> dict[str, Any]:
     """Latency samples in ns as µs: count, p50 and p99 (linear interpolation), mean, min and max."""
     us = np.asarray(samples_ns, dtype=np.float64) / 1e3

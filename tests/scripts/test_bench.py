@@ -49,6 +49,8 @@ def test_bench_smoke(tmp_path: Path) -> None:
     for op in ("load", "load_lookup", "offload"):
         for stat in ("p50_us", "p99_us"):
             _positive(doc["scheduler"][op][stat], f"scheduler {op} {stat}")
+        over, queued = doc["scheduler"][op]["over_p99_goal"], doc["scheduler"][op]["over_p99_goal_mostly_queued"]
+        assert 0 <= queued <= over <= doc["scheduler"][op]["n"], f"scheduler {op}: slow calls {over}, queued {queued}"
     assert doc["scheduler"]["background"]["loads_completed"] >= 1
     assert {(s["nodes"], s["path"]) for s in doc["scaling"]} == {(k, p) for k in (1, 2, 3)
                                                                   for p in ("local", "listener")}
