@@ -1352,10 +1352,11 @@ def print_report(doc: dict[str, Any], file: Any = None) -> None:
     table.add_row("  (meanwhile, background loads)",
                   f"{bgi['loads_completed']} loads of {bgi['blocks']} x {format_size(bgi['page'])}, "
                   f"{bgi['gbps']:.2f} GB/s; {sched['gc_runs_during']} GC runs", "", "")
-    table.add_row(f"  (calls over {GOAL_CALL_P99_US:.0f} µs; of them, waiting for a CPU most of the time)",
-                  "  ".join(f"{op}: {sched[op].get('over_p99_goal', 0)}; "
-                            f"{sched[op].get('over_p99_goal_mostly_queued', 0)}"
-                            for op in ("load", "load_lookup", "offload")), "", "")
+    table.add_row(f"  (calls over {GOAL_CALL_P99_US:.0f} µs, load / load_lookup / offload)",
+                  " / ".join(str(sched[op].get("over_p99_goal", 0)) for op in ("load", "load_lookup", "offload"))
+                  + " of " + str(sched["load"].get("n", 0)) + "; of them, mostly waiting for a CPU: "
+                  + " / ".join(str(sched[op].get("over_p99_goal_mostly_queued", 0))
+                               for op in ("load", "load_lookup", "offload")), "", "")
     table.add_section()
     for path in cfg["scale_paths"]:
         cells = "  ".join(f"{s['nodes']} node{'s' if s['nodes'] > 1 else ''}: {s['median_gbps']:.2f}"
