@@ -19,6 +19,7 @@ here reads one snapshot and keeps it.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import copy
 import itertools
 import logging
@@ -93,6 +94,14 @@ class LeaseState:
         return first.leaf, first.hashes[0]
 
 
+_UNSETTLED = object()  # a DKVLookup's state before its future settled
+
+
+def _keep_state(into: list[Any], future: concurrent.futures.Future[LeaseState | None]) -> None:
+    """A lookup's future settled: what :meth:`DKVLookup.state` answers from now on."""
+    into[0] = None if future.cancelled() or future.exception() is not None else future.result()
+
+
 class DKVLookup:
     """The handle :meth:`DKVConnector.start_lookup` returns. Any thread; never blocks.
 
@@ -110,6 +119,10 @@ class DKVLookup:
         self._future = future
         self._leaves: Sequence[str] = ()
         self.consumed = False
+        # what state() answers once the future settled, kept by the thread that settles it so that state() takes
+        # no lock; in a list of its own, so that the future's callback does not hold the handle (no cycle)
+        self._settled: list[Any] = [_UNSETTLED]
+        future.add_done_callback(functools.partial(_keep_state, self._settled))
 
     def is_complete(self) -> bool:
         """Any thread: whether the lookup has answered (never blocks)."""
@@ -119,7 +132,10 @@ class DKVLookup:
 
     def state(self) -> LeaseState | None:
         """Any thread: what the lookup found and holds; ``None`` before it answers or when it failed."""
-        future = self._future
+        state = self._settled[0]
+        if state is not _UNSETTLED:
+            return state  # type: ignore[return-value]
+        future = self._future  # settled, its callbacks not run yet (or not settled at all)
         if not future.done() or future.cancelled() or future.exception() is not None:
             return None
         return future.result()
@@ -245,6 +261,7 @@ class SchedulerSide:
         self.leaves = dict(leaves)
         self.tp_shards = validate_device_blocks(self.leaves, device_blocks)
         self.blocks = [dict(replica) for replica in device_blocks]
+        self.pages = [{leaf: int(shards[0].shape[0]) for leaf, shards in replica.items()} for replica in self.blocks]
         self.leaf_names = list(self.leaves)
         self.probe_leaves = [leaf for leaf, spec in self.leaves.items() if spec.kind is AttentionKind.FULL]
         self.namespace = namespace
@@ -483,7 +500,7 @@ class SchedulerSide:
         """
         try:
             self.check_replica(replica_idx)
-            plan = plan_transfer(block_ids, block_hashes, self.blocks[replica_idx])
+            plan = plan_transfer(block_ids, block_hashes, self.blocks[replica_idx], self.pages[replica_idx])
         except ValueError as exc:
             self._refused("invalid")
             raise KVLoadInvalid(f"load refused: {exc}") from exc
@@ -550,7 +567,7 @@ class SchedulerSide:
                      replica_idx: int) -> TransferPlan:
         """Scheduler thread: validate an offload (``ValueError``) and drop what the co-located node holds."""
         self.check_replica(replica_idx)
-        return self.not_held(plan_transfer(block_ids, block_hashes, self.blocks[replica_idx]))
+        return self.not_held(plan_transfer(block_ids, block_hashes, self.blocks[replica_idx], self.pages[replica_idx]))
 
     def not_held(self, plan: TransferPlan) -> TransferPlan:
         """Scheduler thread: ``plan`` without the blocks the co-located node is known to hold (:mod:`connector.held_blocks`)."""
