@@ -1300,7 +1300,7 @@ def _sums_for(sums: Any, count: int) -> list[Any]:
     return sums if isinstance(sums, list) and len(sums) == count else [None] * count
 
 
-_KEY_TYPES = {BlockKey, tuple, list}
+_KEY_TYPES = {BlockKey, tuple}  # immutable: what was checked is what is sent (a list is copied by the slow path)
 
 
 def _fine_leaf(leaf: str) -> bool:
