@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
-import gc
 import json
 import os
 import queue
@@ -73,7 +72,8 @@ for _p in (str(ROOT), str(Path(__file__).resolve().parent)):
         sys.path.insert(0, _p)
 
 import bench_common  # noqa: E402
-from bench_common import die_with_parent, latency_summary_us, pid_alive, rotate, run_queue_ns  # noqa: E402
+from bench_common import (  # noqa: E402
+    die_with_parent, frozen_heap, latency_summary_us, pid_alive, rotate, run_queue_ns)
 from dkv.units import format_size, parse_size  # noqa: E402
 
 PAGE = 4096
@@ -1086,8 +1086,6 @@ class Bench:
             except BaseException as exc:  # noqa: BLE001 - reported after the measurement
                 bg_error.append(exc)
 
-        gc.collect()
-        gc.freeze()  # as engines do after start-up: what the set-up left alive is never scanned again
         samples: dict[str, list[int]] = collections.defaultdict(list)
         slow: dict[str, list[tuple[int, int | None]]] = collections.defaultdict(list)  # over the p99 goal
         gc_runs = [0]
@@ -1096,52 +1094,51 @@ class Bench:
             if phase == "stop":
                 gc_runs[0] += 1
 
-        gc.callbacks.append(on_gc)
-        thread = threading.Thread(target=background, daemon=True)
-        thread.start()
-        warm = min(5, args.sched_reps)
-        log(f"scheduler-thread cost: {warm} warm-up + {args.sched_reps} calls each of load, load_lookup, offload "
-            f"({CALL_BLOCKS} x {format_size(CALL_PAGE)}) while {bg_n} x {format_size(bg_page)} loads run")
-        t_start = time.monotonic()
-        try:
-            for i in range(warm + args.sched_reps):
-                if bg_error:
-                    raise BenchError(f"the background load failed: {bg_error[0]}")
-                masks = conn.lookup(call_hashes)
-                if not all(masks[LEAF]):
-                    raise BenchError(f"lookup found {sum(masks[LEAF])}/{CALL_BLOCKS}")
-                queued = run_queue_ns()  # read outside the timed window, as each one below
-                t0 = time.perf_counter_ns()
-                transfer = conn.load({LEAF: ids}, {LEAF: call_hashes})
-                t_load = time.perf_counter_ns() - t0
-                q_load = _queued_since(queued)
-                wait_done(transfer, "load")
-                handle = conn.start_lookup(call_hashes)
-                wait_done(handle, "start_lookup")
-                queued = run_queue_ns()
-                t0 = time.perf_counter_ns()
-                transfer = conn.load_lookup(handle, {LEAF: ids}, {LEAF: call_hashes})
-                t_ll = time.perf_counter_ns() - t0
-                q_ll = _queued_since(queued)
-                wait_done(transfer, "load_lookup")
-                fresh = chain(CALL_BLOCKS)
-                queued = run_queue_ns()
-                t0 = time.perf_counter_ns()
-                transfer = conn.offload({LEAF: ids}, {LEAF: fresh})
-                t_off = time.perf_counter_ns() - t0
-                q_off = _queued_since(queued)
-                wait_done(transfer, "offload")
-                if i >= warm:
-                    for op, took, waited in (("load", t_load, q_load), ("load_lookup", t_ll, q_ll),
-                                             ("offload", t_off, q_off)):
-                        samples[op].append(took)
-                        if took > GOAL_CALL_P99_US * 1e3:
-                            slow[op].append((took, waited))
-        finally:
-            stop.set()
-            thread.join(OP_TIMEOUT)
-            gc.callbacks.remove(on_gc)
-            gc.unfreeze()
+        # as engines do after start-up: what the set-up left alive is never scanned again
+        with frozen_heap(on_gc):
+            thread = threading.Thread(target=background, daemon=True)
+            thread.start()
+            warm = min(5, args.sched_reps)
+            log(f"scheduler-thread cost: {warm} warm-up + {args.sched_reps} calls each of load, load_lookup, offload "
+                f"({CALL_BLOCKS} x {format_size(CALL_PAGE)}) while {bg_n} x {format_size(bg_page)} loads run")
+            t_start = time.monotonic()
+            try:
+                for i in range(warm + args.sched_reps):
+                    if bg_error:
+                        raise BenchError(f"the background load failed: {bg_error[0]}")
+                    masks = conn.lookup(call_hashes)
+                    if not all(masks[LEAF]):
+                        raise BenchError(f"lookup found {sum(masks[LEAF])}/{CALL_BLOCKS}")
+                    queued = run_queue_ns()  # read outside the timed window, as each one below
+                    t0 = time.perf_counter_ns()
+                    transfer = conn.load({LEAF: ids}, {LEAF: call_hashes})
+                    t_load = time.perf_counter_ns() - t0
+                    q_load = _queued_since(queued)
+                    wait_done(transfer, "load")
+                    handle = conn.start_lookup(call_hashes)
+                    wait_done(handle, "start_lookup")
+                    queued = run_queue_ns()
+                    t0 = time.perf_counter_ns()
+                    transfer = conn.load_lookup(handle, {LEAF: ids}, {LEAF: call_hashes})
+                    t_ll = time.perf_counter_ns() - t0
+                    q_ll = _queued_since(queued)
+                    wait_done(transfer, "load_lookup")
+                    fresh = chain(CALL_BLOCKS)
+                    queued = run_queue_ns()
+                    t0 = time.perf_counter_ns()
+                    transfer = conn.offload({LEAF: ids}, {LEAF: fresh})
+                    t_off = time.perf_counter_ns() - t0
+                    q_off = _queued_since(queued)
+                    wait_done(transfer, "offload")
+                    if i >= warm:
+                        for op, took, waited in (("load", t_load, q_load), ("load_lookup", t_ll, q_ll),
+                                                 ("offload", t_off, q_off)):
+                            samples[op].append(took)
+                            if took > GOAL_CALL_P99_US * 1e3:
+                                slow[op].append((took, waited))
+            finally:
+                stop.set()
+                thread.join(OP_TIMEOUT)
         elapsed = time.monotonic() - t_start
         if bg_error:
             raise BenchError(f"the background load failed: {bg_error[0]}")

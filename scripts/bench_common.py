@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import gc
 import hashlib
 import os
 import platform
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -87,6 +89,24 @@ def direct_client(loop: Any, address: str, namespace: str, timeout: float) -> An
         loop.run(client.close(), timeout)
         raise SystemExit("no direct channel: the node is not on the same-host path")
     return client
+
+
+@contextlib.contextmanager
+def frozen_heap(on_gc: Callable[[str, dict[str, Any]], None]) -> Iterator[None]:
+    """Within: the heap set up so far frozen (as engines do after start-up) and ``on_gc`` told of each collection.
+
+    The calling-thread measurements (``bench.py``'s scheduler section,
+    ``probe_scheduler_calls.py``) run in it, so the collector only walks what
+    the calls themselves leave behind.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.callbacks.append(on_gc)
+    try:
+        yield
+    finally:
+        gc.callbacks.remove(on_gc)
+        gc.unfreeze()
 
 
 def run_queue_ns() -> int | None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gc
 import hashlib
 import os
 import statistics
@@ -85,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from bench_common import run_queue_ns
+    from bench_common import frozen_heap, run_queue_ns
     from bench_common import wait_done as wait_until_done
     from cluster.process import start_node
     from connector.dkv_connector import DKVConnector
@@ -162,35 +161,31 @@ def main(argv: list[str] | None = None) -> int:
                                 gc_ns[0] - gc_before)
             return result
 
-        gc.collect()
-        gc.freeze()
-        gc.callbacks.append(on_gc)
-        if not args.no_background:
-            background = threading.Thread(target=keep_loading, name="probe-background", daemon=True)
-            background.start()
-        t_start = time.monotonic()
-        try:
-            for i in range(WARMUP + args.calls):
-                record = i >= WARMUP
-                if record and i == WARMUP:
-                    gc_ns[0] = 0
-                    gc_runs.clear()
-                if failure:
-                    raise SystemExit(f"the background load failed: {failure[0]}")
-                if not all(conn.lookup(call_hashes)[LEAF]):
-                    raise SystemExit("the lookup before load() missed")
-                wait_done(timed("load()", lambda: conn.load({LEAF: call_ids}, {LEAF: call_hashes}), record), "load()")
-                handle = conn.start_lookup(call_hashes)
-                wait_done(handle, "start_lookup()")
-                wait_done(timed("load_lookup()", lambda: conn.load_lookup(handle, {LEAF: call_ids},
-                                                                          {LEAF: call_hashes}), record),
-                          "load_lookup()")
-        finally:
-            stop.set()
-            if background is not None:
-                background.join(TIMEOUT)
-            gc.callbacks.remove(on_gc)
-            gc.unfreeze()
+        with frozen_heap(on_gc):
+            if not args.no_background:
+                background = threading.Thread(target=keep_loading, name="probe-background", daemon=True)
+                background.start()
+            t_start = time.monotonic()
+            try:
+                for i in range(WARMUP + args.calls):
+                    record = i >= WARMUP
+                    if record and i == WARMUP:
+                        gc_ns[0] = 0
+                        gc_runs.clear()
+                    if failure:
+                        raise SystemExit(f"the background load failed: {failure[0]}")
+                    if not all(conn.lookup(call_hashes)[LEAF]):
+                        raise SystemExit("the lookup before load() missed")
+                    wait_done(timed("load()", lambda: conn.load({LEAF: call_ids}, {LEAF: call_hashes}), record), "load()")
+                    handle = conn.start_lookup(call_hashes)
+                    wait_done(handle, "start_lookup()")
+                    wait_done(timed("load_lookup()", lambda: conn.load_lookup(handle, {LEAF: call_ids},
+                                                                              {LEAF: call_hashes}), record),
+                              "load_lookup()")
+            finally:
+                stop.set()
+                if background is not None:
+                    background.join(TIMEOUT)
         elapsed = time.monotonic() - t_start
         if failure:
             raise SystemExit(f"the background load failed: {failure[0]}")
