@@ -19,8 +19,8 @@ here reads one snapshot and keeps it.
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import copy
+import functools
 import itertools
 import logging
 import operator
@@ -97,9 +97,14 @@ class LeaseState:
 _UNSETTLED = object()  # a DKVLookup's state before its future settled
 
 
+def _outcome(future: concurrent.futures.Future[LeaseState | None]) -> LeaseState | None:
+    """A settled lookup future's state: ``None`` when it failed or was cancelled (a miss, never an error)."""
+    return None if future.cancelled() or future.exception() is not None else future.result()
+
+
 def _keep_state(into: list[Any], future: concurrent.futures.Future[LeaseState | None]) -> None:
     """A lookup's future settled: what :meth:`DKVLookup.state` answers from now on."""
-    into[0] = None if future.cancelled() or future.exception() is not None else future.result()
+    into[0] = _outcome(future)
 
 
 class DKVLookup:
@@ -136,9 +141,7 @@ class DKVLookup:
         if state is not _UNSETTLED:
             return state  # type: ignore[return-value]
         future = self._future  # settled, its callbacks not run yet (or not settled at all)
-        if not future.done() or future.cancelled() or future.exception() is not None:
-            return None
-        return future.result()
+        return _outcome(future) if future.done() else None
 
     def result(self) -> Masks:
         """Any thread: the masks, exactly ``len(block_hashes)`` long per leaf. ``RuntimeError`` before completion."""

@@ -130,11 +130,6 @@ from ucxx._lib_async.utils import hash64bits  # noqa: E402
 from ucxx.types import Tag  # noqa: E402
 
 from dkv.errors import DKVError, OpTimeout, ProtocolError, TransportError  # noqa: E402
-
-try:
-    from dkv._buffer_run import buffer_run as _buffer_run
-except ImportError:  # not built (no C compiler at install): ucxx's Array per buffer, the same answer
-    _buffer_run = None
 from dkv.stuck_connections import StuckConnectionReaper  # noqa: E402
 from dkv.wire import (  # noqa: E402
     FLAG_INLINE,
@@ -145,6 +140,11 @@ from dkv.wire import (  # noqa: E402
     encode_body,
     encode_header,
 )
+
+try:
+    from dkv._buffer_run import buffer_run as _buffer_run
+except ImportError:  # not built (no C compiler at install): ucxx's Array per buffer, the same answer
+    _buffer_run = None
 
 log = logging.getLogger(__name__)
 
@@ -621,7 +621,7 @@ class Connection:
         anything is sent (the endpoint is aborted: the peer's receives would
         have no messages to meet). Buffers must be C-contiguous host memory.
         """
-        items, sizes = _nonempty(buffers)
+        _, items, sizes = _nonempty(buffers)
         plan = self._plan(sizes, groups)
         sending, self._sending = self._sending, None
         if items or sending is not None:
@@ -653,13 +653,7 @@ class Connection:
         are still arriving (a reader checks those blocks meanwhile); it must
         not raise. Every non-empty buffer is in a run by the time this returns.
         """
-        all_sizes = list(map(_nbytes, buffers))
-        if all(all_sizes):
-            nonempty: Sequence[int] = range(len(buffers))
-            items, sizes = list(buffers), all_sizes
-        else:
-            nonempty = [i for i, n in enumerate(all_sizes) if n]
-            items, sizes = [buffers[i] for i in nonempty], [all_sizes[i] for i in nonempty]
+        nonempty, items, sizes = _nonempty(buffers)
         plan = self._plan(sizes, groups)
         sending, self._sending = self._sending, None
         if items or sending is not None:
@@ -860,12 +854,13 @@ def _nbytes(buffer: Any) -> int:
     return memoryview(buffer).nbytes if not hasattr(buffer, "nbytes") else int(buffer.nbytes)
 
 
-def _nonempty(buffers: Sequence[Any]) -> tuple[list[Any], list[int]]:
-    """The buffers that hold bytes, and their sizes."""
+def _nonempty(buffers: Sequence[Any]) -> tuple[Sequence[int], list[Any], list[int]]:
+    """The buffers that hold bytes: their indices in ``buffers``, themselves, and their sizes (each taken once)."""
     sizes = list(map(_nbytes, buffers))
     if all(sizes):
-        return list(buffers), sizes
-    return [b for b, n in zip(buffers, sizes) if n], [n for n in sizes if n]
+        return range(len(buffers)), list(buffers), sizes
+    kept = [i for i, n in enumerate(sizes) if n]
+    return kept, [buffers[i] for i in kept], [sizes[i] for i in kept]
 
 
 def payload_plan(sizes: Sequence[int], offsets: Sequence[int] | None = None) -> list[tuple[int, int]]:
