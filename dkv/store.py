@@ -149,9 +149,13 @@ class Lease:
 
     @property
     def keys(self) -> dict[StoreKey, int]:
-        """key -> depth in the looked-up run (built on first use: a same-host load never needs it)."""
+        """key -> its index in :attr:`blocks` and :attr:`depths` (built on first use: a same-host load never needs it).
+
+        One lookup here gives a read everything it needs of a key: whether the
+        lease covers it, its block and its depth.
+        """
         if self._keys is None:
-            self._keys = {block.key: depth for block, depth in zip(self.blocks, self.depths)}
+            self._keys = {block.key: i for i, block in enumerate(self.blocks)}
         return self._keys
 
 
@@ -164,7 +168,7 @@ class Read:
 
     read_id: int
     owner: str  # the connection moving the bytes
-    keys: list[StoreKey]  # distinct keys, each pinned once by this read
+    blocks: list[Block]  # distinct blocks, each pinned once by this read (so each stays indexed until it ends)
     expires_at: float
 
 
@@ -688,21 +692,25 @@ class Store:
             self.counters.reads_refused += 1
             raise LeaseExpired("lease_expired", f"lease {lease_id} is not held (expired, ended or never granted)")
         covered = lease.keys
-        if not all(map(covered.__contains__, keys)):
+        try:  # one lookup a key: its index in the lease gives its block and its depth
+            at = list(map(covered.__getitem__, keys))
+        except KeyError:
             missing = [k for k in keys if k not in covered]
             self.counters.reads_refused += 1
-            raise LeaseExpired("lease_expired", f"{len(missing)} requested block(s) are not covered by lease {lease_id}")
-        distinct = list(dict.fromkeys(keys))
-        held = list(map(self.blocks.__getitem__, distinct))  # (a lease's blocks stay indexed while it holds them)
+            raise LeaseExpired("lease_expired",
+                               f"{len(missing)} requested block(s) are not covered by lease {lease_id}") from None
+        distinct = at if len(set(at)) == len(at) else list(dict.fromkeys(at))
+        blocks, depths = lease.blocks, lease.depths
+        held = list(map(blocks.__getitem__, distinct))  # (a lease's blocks stay indexed while it holds them)
         for block in held:
             self._pin(block)
         owner = reader if reader is not None else lease_owner
-        read = Read(next(self._ids), owner, distinct, self.clock() + self.read_ttl)
+        read = Read(next(self._ids), owner, held, self.clock() + self.read_ttl)
         self.reads[read.read_id] = read
         self._owner_reads.setdefault(owner, {})[read.read_id] = None
         self._schedule_expiry(read.expires_at, _READ, read.read_id)
-        picked = held if len(distinct) == len(keys) else list(map(self.blocks.__getitem__, keys))
-        self._stamp_blocks(held, list(map(covered.__getitem__, distinct)))
+        picked = held if distinct is at else list(map(blocks.__getitem__, at))
+        self._stamp_blocks(held, list(map(depths.__getitem__, distinct)))
         return ReadPlan(read.read_id, [b.offset for b in picked], [b.size for b in picked],
                         [b.checksum for b in picked])
 
@@ -717,11 +725,8 @@ class Store:
         if read is None:
             return False
         self._owner_reads.get(read.owner, {}).pop(read_id, None)
-        blocks = self.blocks
-        for key in read.keys:
-            block = blocks.get(key)
-            if block is not None:
-                self._unpin(block)
+        for block in read.blocks:  # pinned, so still indexed: no key is looked up (as a lease ends)
+            self._unpin(block)
         return True
 
     def reads_of(self, owner: str) -> int:
