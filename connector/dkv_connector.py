@@ -94,6 +94,7 @@ from connector.worker_side import (
 from dkv.errors import DKVError, OpTimeout
 from dkv.etcd import DEFAULT_CLUSTER, DEFAULT_PREFIX, EtcdSettings, Layout
 from dkv.keys import check_hashes, check_namespace
+from dkv.gil import DEFAULT_SWITCH_INTERVAL, check_switch_interval, hold_switch_interval, release_switch_interval
 from dkv.loop_thread import acquire_shared_loop, release_shared_loop
 
 log = logging.getLogger(__name__)
@@ -132,6 +133,7 @@ class DKVConnector:
         checksums: bool = True,
         metrics_registry: CollectorRegistry | None = None,
         lookup_in_place: bool = True,
+        gil_switch_interval: float | None = DEFAULT_SWITCH_INTERVAL,
     ) -> None:
         """Any thread (the engine's, once): connect to the co-located node at ``node`` and, with ``etcd``, follow the cluster.
 
@@ -161,8 +163,17 @@ class DKVConnector:
         node on the same-host path runs its round trip on the calling thread
         when it can, and a small same-host load into CPU rows is copied there
         too (see the module docstring); off, both always go through the loop thread.
+
+        ``gil_switch_interval`` (seconds, default :data:`dkv.gil.DEFAULT_SWITCH_INTERVAL`):
+        until :meth:`shutdown`, the interpreter's GIL switch interval is at
+        most this, so that the loop thread's steps of a listener load do not
+        each wait up to CPython's 5 ms for a scheduler thread busy in Python
+        (see :mod:`dkv.gil`); the interval found is put back by the last
+        connector's shutdown. None leaves the interpreter's setting alone.
         """
         self.namespace = check_namespace(namespace)
+        if gil_switch_interval is not None:
+            check_switch_interval(gil_switch_interval)  # before anything starts
         self._sched = SchedulerSide(leaves, device_blocks, namespace=self.namespace, node_address=node,
                                     timeout=timeout)
         self.node_address = node
@@ -176,6 +187,7 @@ class DKVConnector:
         etcd_target: str | EtcdSettings | None = etcd_settings or etcd
         layout = Layout(cluster, etcd_prefix) if etcd_target else None
         loop = acquire_shared_loop()
+        hold_switch_interval(gil_switch_interval)
         self._worker = WorkerSide(self._sched, loop, namespace=self.namespace, node_address=node, token=token,
                                   tenant=tenant, timeout=timeout, local=local, checksums=checksums,
                                   etcd=etcd_target, layout=layout, peer_idle_timeout=peer_idle_timeout,
@@ -188,6 +200,7 @@ class DKVConnector:
                                  f"{self.node_address} cannot look them up in one request")
         except BaseException:
             loop.run(self._worker.close(), timeout + 5)
+            release_switch_interval()
             release_shared_loop()
             self._unexport()
             raise
@@ -494,6 +507,7 @@ class DKVConnector:
             log.warning("connector shutdown was not clean", exc_info=True)
         finally:
             worker.closed = True
+            release_switch_interval()
             release_shared_loop()
             self._unexport()  # a registry the engine keeps shows no stopped connector
 

@@ -16,7 +16,8 @@ environment: ``DKV_NODE`` (default ``127.0.0.1:7420``), ``DKV_ETCD``,
 ``DKV_TENANT``, default ``max``, plus a digest of the cache params), ``DKV_TOKEN``;
 an etcd with TLS or authentication also reads ``DKV_ETCD_CA``, ``DKV_ETCD_CERT``,
 ``DKV_ETCD_KEY``, ``DKV_ETCD_USER``, ``DKV_ETCD_PASSWORD_FILE``
-(:meth:`dkv.etcd.EtcdSettings.from_env`).
+(:meth:`dkv.etcd.EtcdSettings.from_env`); ``DKV_GIL_SWITCH_INTERVAL`` (seconds, or
+``off``: see :mod:`dkv.gil`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 from connector.dkv_connector import DKVConnector
 from connector.types import LeafSpec, full_attention, sliding_window
 from dkv.etcd import DEFAULT_CLUSTER, DEFAULT_PREFIX, EtcdSettings
+from dkv.gil import ENVIRONMENT as GIL_ENVIRONMENT, parse_switch_interval
 from dkv.keys import check_namespace
 
 FACTORY_MODULES = (
@@ -117,6 +119,7 @@ def create_connector(
         cluster=os.environ.get("DKV_CLUSTER", DEFAULT_CLUSTER),
         token=token.encode() if token else None,
         tenant=tenant,
+        gil_switch_interval=parse_switch_interval(os.environ.get(GIL_ENVIRONMENT)),
     )
 
 
