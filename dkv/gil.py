@@ -47,11 +47,11 @@ _found: float | None = None  # the interval before the first holder lowered it (
 _set: float | None = None  # the interval the holders set
 
 
-def parse_switch_interval(text: str | None) -> float | None:
+def parse_switch_interval(text: str | None, what: str = ENVIRONMENT) -> float | None:
     """A switch interval as configured: seconds (``"0.0005"``), ``"off"`` (None: leave it), unset: the default.
 
     :class:`~dkv.errors.ConfigError` for anything else (not a number, not
-    positive, not finite).
+    positive, not finite), naming ``what`` was set.
     """
     if text is None or not text.strip():
         return DEFAULT_SWITCH_INTERVAL
@@ -60,8 +60,11 @@ def parse_switch_interval(text: str | None) -> float | None:
     try:
         seconds = float(text)
     except ValueError:
-        raise ConfigError(f"{ENVIRONMENT}={text!r}: give seconds (e.g. 0.0005) or 'off'") from None
-    return check_switch_interval(seconds)
+        raise ConfigError(f"{what}={text!r}: give seconds (e.g. 0.0005) or 'off'") from None
+    try:
+        return check_switch_interval(seconds)
+    except ConfigError:
+        raise ConfigError(f"{what}={text!r}: give a positive number of seconds (e.g. 0.0005) or 'off'") from None
 
 
 def check_switch_interval(seconds: float) -> float:

@@ -31,7 +31,9 @@ which then handed the copy on. ``--busy-caller`` also times, interleaved, the lo
 busy in Python meanwhile (polling ``is_complete()`` between short runs of
 pure Python, as a scheduler does between its steps): every hand-off of the
 GIL to the thread doing the load then waits for the caller's switch
-interval (``sys.getswitchinterval()``, printed). ``--listener`` loads over the node's UCX
+interval (``sys.getswitchinterval()``, printed: the connector's
+``gil_switch_interval`` while it lives, see :mod:`dkv.gil`;
+``--gil-switch-interval off`` leaves CPython's 5 ms). ``--listener`` loads over the node's UCX
 listener instead (``local=False``), and also times the read on the loop
 thread and its payload receive (``Connection.recv_payloads``), the checks of
 landed blocks included.
@@ -40,7 +42,7 @@ landed blocks included.
 load could reach if everything but its copy cost nothing.
 
 Usage: probe_load_phases.py [--blocks 256] [--block-size 64KiB] [--rounds 30] [--listener | --loop-path]
-       [--busy-caller]
+       [--busy-caller] [--gil-switch-interval SECONDS|off]
 """
 from __future__ import annotations
 
@@ -108,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time the same-host load posted to the loop thread (as before the copy threads)")
     parser.add_argument("--busy-caller", action="store_true",
                         help="also time the load while the calling thread runs Python (polling is_complete)")
+    parser.add_argument("--gil-switch-interval", default=None,
+                        help="the connector's gil_switch_interval: seconds, or 'off' (default: dkv.gil's)")
     args = parser.parse_args(argv)
     if args.listener and args.loop_path:
         parser.error("--loop-path is a same-host contender: not with --listener")
@@ -122,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     from connector import worker_side
     from connector.worker_side import WorkerSide
     from dkv.checksum import block_checksum
+    from dkv.errors import ConfigError
+    from dkv.gil import parse_switch_interval
     from dkv.client import NodeClient
     from dkv.lease_slots import LeaseSlots
     from dkv.transport import Connection
@@ -130,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     def wait_done(item: Any, what: str) -> None:
         wait_until_done(item, what, TIMEOUT, SystemExit)
 
+    try:
+        switch_interval = parse_switch_interval(args.gil_switch_interval, "--gil-switch-interval")
+    except ConfigError as exc:
+        parser.error(str(exc))
     size, count = parse_size(args.block_size), args.blocks
     if size < 1 or size % PAGE or not 1 <= count <= 4096 or args.rounds < 1:
         parser.error("--block-size a multiple of 4 KiB, --blocks in [1, 4096], --rounds >= 1")
@@ -144,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = torch.randint(0, 256, (count + 1, size), dtype=torch.uint8)
         ids = list(range(1, count + 1))
         conn = DKVConnector({LEAF: full_attention(0)}, [{LEAF: [rows]}], namespace="probe-phases",
-                            node=str(node.address), timeout=TIMEOUT, local=False if args.listener else None)
+                            node=str(node.address), timeout=TIMEOUT, local=False if args.listener else None,
+                            gil_switch_interval=switch_interval)
         wait_done(conn.offload({LEAF: ids}, {LEAF: hashes}), "the offload")
         expected = rows[1:].clone()
         # the harness zeroes and checks the rows with numpy: a torch op over them runs on torch's

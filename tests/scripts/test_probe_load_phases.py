@@ -19,7 +19,7 @@ def test_the_load_phase_probe_reports_the_limits_the_phases_and_both_same_host_p
                       "--busy-caller", timeout=110)
     assert proc.returncode == 0, outcome(proc)
     assert "same-host load of 32 x 16.0 KiB, 2 rounds" in proc.stdout
-    assert re.search(r"switch interval [0-9.]+ ms", proc.stdout), proc.stdout
+    assert "switch interval 0.5 ms" in proc.stdout, "the connector's GIL switch interval, while it lives"
     for name in ("memcpy", "copy+checksum", "lookup (start_lookup -> complete)", "whole load",
                  "whole load, posted to the loop thread", "load, the caller busy in Python"):
         line = re.search(rf"^\s+{re.escape(name)}\s+([0-9.]+)\s+([0-9.]+) x memcpy$", proc.stdout, re.M)
@@ -43,3 +43,17 @@ def test_the_load_phase_probe_refuses_a_block_size_that_is_not_whole_pages() -> 
 def test_the_load_phase_probe_refuses_the_loop_path_over_the_listener() -> None:
     proc = run_script(SCRIPT, "--listener", "--loop-path", timeout=60)
     assert proc.returncode == 2 and "--loop-path" in proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_the_load_phase_probe_can_leave_cpythons_switch_interval_for_the_before_and_after() -> None:
+    proc = run_script(SCRIPT, "--listener", "--blocks", "4", "--block-size", "16KiB", "--rounds", "1", "--busy-caller",
+                      "--gil-switch-interval", "off", timeout=110)
+    assert proc.returncode == 0, outcome(proc)
+    assert "listener load of 4 x 16.0 KiB" in proc.stdout and "switch interval 5 ms" in proc.stdout, proc.stdout
+    assert re.search(r"^\s+load, the caller busy in Python\s+[0-9.]+", proc.stdout, re.M), proc.stdout
+
+
+def test_the_load_phase_probe_refuses_a_garbled_switch_interval() -> None:
+    proc = run_script(SCRIPT, "--gil-switch-interval", "fast", timeout=60)
+    assert proc.returncode == 2 and "--gil-switch-interval='fast'" in proc.stderr
