@@ -27,7 +27,9 @@ Measured (GB/s = 1e9 bytes/s of block payload; latencies in µs, p50/p99):
   connector co-located with node ``a``) and on the listener path (``local=False``: bytes as
   UCX messages); offload of fresh hashes on both paths; ``lookup`` (leased, one round trip)
   and ``probe`` (etcd-fed directory index) of 256 and 4096 hashes; one-block load latency
-  (``lookup`` + ``load`` of one block, both paths); the scheduler-thread cost of ``load``,
+  (``lookup`` + ``load`` of one block, both paths), and on the listener path with the calling
+  thread busy in Python between its polls (as a scheduler is), at the GIL switch interval the
+  connectors set (:mod:`dkv.gil`) and at CPython's 5 ms; the scheduler-thread cost of ``load``,
   ``load_lookup`` and ``offload`` for 64 blocks while another connector of the process keeps
   loading; scaling (1, 2, 3 nodes each serving its own engine process, all loading at once;
   aggregate GB/s on both paths); node RSS (``VmRSS``, sampled all run long) against pool size.
@@ -105,6 +107,7 @@ GOAL_ONE_BLOCK_VS_PING = 3.0
 GOAL_LOOKUP_256_US = 300.0
 GOAL_CALL_P50_US, GOAL_CALL_P99_US = 100.0, 300.0
 GOAL_RSS_OVER_POOL = 150 * MiB
+CPYTHON_SWITCH_INTERVAL = 0.005  # the interpreter's default GIL switch interval, the busy caller's baseline
 
 THROUGHPUT = ("memcpy", "tcp_stream", "ucx_stream", "redis_mget", "redis_pipe_get", "redis_pipe_set",
               "dkv_load_local", "dkv_load_listener", "dkv_offload_local", "dkv_offload_listener")
@@ -118,7 +121,10 @@ LABELS = {
     "dkv_lookup_256": "dKV lookup 256", "dkv_lookup_4096": "dKV lookup 4096",
     "dkv_probe_256": "dKV probe 256", "dkv_probe_4096": "dKV probe 4096",
     "dkv_one_block_local": "dKV 1-block load, same-host", "dkv_one_block_listener": "dKV 1-block load, listener",
+    "dkv_one_block_listener_busy": "dKV 1-block load, listener, caller busy in Python",
+    "dkv_one_block_listener_busy_5ms": "the same at CPython's 5 ms switch interval",
 }
+BUSY_WORK = 500  # additions of pure Python between two polls of a busy caller (tens of µs: a scheduler's step)
 
 
 class BenchError(RuntimeError):
@@ -1006,6 +1012,39 @@ class Bench:
             wait_done(conn.load({LEAF: [1]}, {LEAF: one_hashes}), "one-block load")
             return time.perf_counter_ns() - t0
 
+        def busy_python() -> int:
+            total = 0
+            for i in range(BUSY_WORK):
+                total += i
+            return total
+
+        def busy_until(item: Any, what: str) -> None:
+            """Poll ``item`` between runs of Python, as a scheduler does between its steps (the GIL stays busy)."""
+            deadline = time.monotonic() + OP_TIMEOUT
+            while not item.is_complete():
+                busy_python()
+                if time.monotonic() > deadline:
+                    raise BenchError(f"{what} did not complete within {OP_TIMEOUT:.0f}s with the caller busy")
+
+        def one_block_busy(conn: Any) -> int:
+            t0 = time.perf_counter_ns()
+            handle = conn.start_lookup(one_hashes)
+            busy_until(handle, "the busy caller's lookup")
+            if not handle.result()[LEAF][0]:
+                conn.abandon_lookup(handle)
+                raise BenchError("the busy caller's one-block lookup missed")
+            busy_until(conn.load_lookup(handle, {LEAF: [1]}, {LEAF: one_hashes}), "the busy caller's load")
+            return time.perf_counter_ns() - t0
+
+        def at_cpython_default(fn: Callable[[], list[int]]) -> list[int]:
+            """``fn`` with the interpreter's switch interval at CPython's default (the connectors lower it)."""
+            lowered = sys.getswitchinterval()
+            sys.setswitchinterval(CPYTHON_SWITCH_INTERVAL)
+            try:
+                return fn()
+            finally:
+                sys.setswitchinterval(lowered)
+
         def lookup(k: int) -> int:
             hs = lk_hashes[:k]
             t0 = time.perf_counter_ns()
@@ -1036,10 +1075,14 @@ class Bench:
             "dkv_probe_4096": lambda: [probe(4096) for _ in range(per)],
             "dkv_one_block_local": lambda: [one_block(one_local) for _ in range(per)],
             "dkv_one_block_listener": lambda: [one_block(one_listener) for _ in range(per)],
+            "dkv_one_block_listener_busy": lambda: [one_block_busy(one_listener) for _ in range(per)],
+            "dkv_one_block_listener_busy_5ms": lambda: at_cpython_default(
+                lambda: [one_block_busy(one_listener) for _ in range(per)]),
         }
         log(f"latency: {args.warmup} warm-up + {args.lat_rounds} rounds x {per} samples x {len(contenders)} "
             f"contenders (1-block loads of {format_size(size)})")
         samples: dict[str, list[int]] = collections.defaultdict(list)
+        switch_interval = sys.getswitchinterval()  # as the live connectors set it (dkv.gil)
         for round_no in range(args.warmup + args.lat_rounds):
             self.procs.check_alive()
             for name in rotate(list(contenders), round_no):
@@ -1058,6 +1101,7 @@ class Bench:
         self.redis.r.flushall()
         out = {k: latency_summary_us(v) for k, v in samples.items()}
         out["one_block_size"] = size
+        out["switch_interval_s"] = switch_interval
         return out
 
     # -- 3. scheduler-thread cost while loads run
@@ -1248,6 +1292,10 @@ def compute(doc: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         ratios[f"one_block_{path}_vs_tcp_ping_p50"] = v
         target(f"1-block load ({'same-host' if path == 'local' else 'listener'}) / TCP ping-pong, p50", v,
                f"<= {GOAL_ONE_BLOCK_VS_PING}x", v <= GOAL_ONE_BLOCK_VS_PING)
+    ratios["one_block_listener_busy_vs_idle_p50"] = (lat["dkv_one_block_listener_busy"]["p50_us"]
+                                                     / lat["dkv_one_block_listener"]["p50_us"])
+    ratios["one_block_listener_busy_5ms_vs_busy_p50"] = (lat["dkv_one_block_listener_busy_5ms"]["p50_us"]
+                                                         / lat["dkv_one_block_listener_busy"]["p50_us"])
     ratios["lookup_256_vs_redis_exists_256_p50"] = lat["dkv_lookup_256"]["p50_us"] / lat["redis_exists_256"]["p50_us"]
     ratios["lookup_4096_vs_redis_exists_4096_p50"] = (lat["dkv_lookup_4096"]["p50_us"]
                                                       / lat["redis_exists_4096"]["p50_us"])
@@ -1324,7 +1372,7 @@ def print_report(doc: dict[str, Any], file: Any = None) -> None:
     lat = doc["latency"]
     for name in ("tcp_ping", "ucx_ping", "redis_exists_256", "redis_exists_4096", "dkv_lookup_256",
                  "dkv_lookup_4096", "dkv_probe_256", "dkv_probe_4096", "dkv_one_block_local",
-                 "dkv_one_block_listener"):
+                 "dkv_one_block_listener", "dkv_one_block_listener_busy", "dkv_one_block_listener_busy_5ms"):
         s = lat[name]
         goal, ok = "", None
         if name == "dkv_lookup_256":
@@ -1335,6 +1383,10 @@ def print_report(doc: dict[str, Any], file: Any = None) -> None:
         t = tmap[f"1-block load ({label}) / TCP ping-pong, p50"]
         table.add_row(f"1-block load ({label}) / TCP ping-pong", f"{t['value']:.2f}x (p50 / p50)", t["goal"],
                       mark(t["pass"]))
+    table.add_row("1-block listener load, caller busy / idle",
+                  f"{doc['ratios']['one_block_listener_busy_vs_idle_p50']:.2f}x (p50 / p50; switch interval "
+                  f"{lat['switch_interval_s'] * 1e3:g} ms; at CPython's 5 ms: "
+                  f"{doc['ratios']['one_block_listener_busy_5ms_vs_busy_p50']:.1f}x slower still)", "", "")
     table.add_row("lookup 256 / Redis EXISTS 256", f"{doc['ratios']['lookup_256_vs_redis_exists_256_p50']:.2f}x "
                   f"(p50 / p50; 4096: {doc['ratios']['lookup_4096_vs_redis_exists_4096_p50']:.2f}x)", "", "")
     table.add_section()
@@ -1584,6 +1636,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                        "dkv_load": "start_lookup -> complete -> load_lookup -> complete (lookup included)",
                        "dkv_offload": "offload of fresh hashes -> complete (namespace cleared untimed before)",
                        "one_block": "lookup() + load() of one block -> complete",
+                       "one_block_busy": "start_lookup -> load_lookup -> complete, polling between runs of "
+                                         f"{BUSY_WORK} Python additions (a busy scheduler thread)",
                        "redis_get": "reply parsed into bytes, not copied into rows",
                        "scheduler": "wall time of the call on the calling thread; gc.freeze() after set-up"},
             "redis_version": bench.redis.version if bench.redis else None,

@@ -19,7 +19,8 @@ SCRIPT = ROOT / "scripts" / "bench.py"
 THROUGHPUT = ("memcpy", "tcp_stream", "ucx_stream", "redis_mget", "redis_pipe_get", "redis_pipe_set",
               "dkv_load_local", "dkv_load_listener", "dkv_offload_local", "dkv_offload_listener")
 LATENCY = ("tcp_ping", "ucx_ping", "redis_exists_256", "redis_exists_4096", "dkv_lookup_256", "dkv_lookup_4096",
-           "dkv_probe_256", "dkv_probe_4096", "dkv_one_block_local", "dkv_one_block_listener")
+           "dkv_probe_256", "dkv_probe_4096", "dkv_one_block_local", "dkv_one_block_listener",
+           "dkv_one_block_listener_busy", "dkv_one_block_listener_busy_5ms")
 
 
 def _positive(value: object, what: str) -> None:
@@ -51,6 +52,7 @@ def test_bench_smoke(tmp_path: Path) -> None:
             _positive(doc["scheduler"][op][stat], f"scheduler {op} {stat}")
         over, queued = doc["scheduler"][op]["over_p99_goal"], doc["scheduler"][op]["over_p99_goal_mostly_queued"]
         assert 0 <= queued <= over <= doc["scheduler"][op]["n"], f"scheduler {op}: slow calls {over}, queued {queued}"
+    assert doc["latency"]["switch_interval_s"] == pytest.approx(0.0005), "the connectors' GIL switch interval"
     assert doc["scheduler"]["background"]["loads_completed"] >= 1
     assert {(s["nodes"], s["path"]) for s in doc["scaling"]} == {(k, p) for k in (1, 2, 3)
                                                                   for p in ("local", "listener")}
