@@ -93,8 +93,8 @@ from connector.worker_side import (
 )
 from dkv.errors import DKVError, OpTimeout
 from dkv.etcd import DEFAULT_CLUSTER, DEFAULT_PREFIX, EtcdSettings, Layout
-from dkv.keys import check_hashes, check_namespace
 from dkv.gil import DEFAULT_SWITCH_INTERVAL, check_switch_interval, hold_switch_interval, release_switch_interval
+from dkv.keys import check_hashes, check_namespace
 from dkv.loop_thread import acquire_shared_loop, release_shared_loop
 
 log = logging.getLogger(__name__)
@@ -187,11 +187,11 @@ class DKVConnector:
         etcd_target: str | EtcdSettings | None = etcd_settings or etcd
         layout = Layout(cluster, etcd_prefix) if etcd_target else None
         loop = acquire_shared_loop()
-        hold_switch_interval(gil_switch_interval)
         self._worker = WorkerSide(self._sched, loop, namespace=self.namespace, node_address=node, token=token,
                                   tenant=tenant, timeout=timeout, local=local, checksums=checksums,
                                   etcd=etcd_target, layout=layout, peer_idle_timeout=peer_idle_timeout,
                                   lookup_in_place=lookup_in_place)
+        hold_switch_interval(gil_switch_interval)  # (checked above: it does not raise)
         try:
             self.node_id = loop.run(self._worker.start(node_id), timeout + 10)
             max_leaves = self._worker.max_leaves()  # as its handshake said

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -49,6 +50,16 @@ def test_an_unusable_interval_is_refused_before_anything_starts(node) -> None:
     leaves = two_leaves()
     with pytest.raises(ConfigError, match="switch interval"):
         DKVConnector(leaves, device_blocks(leaves), namespace="test/gil", node=node.address, gil_switch_interval=0)
+    assert gil._holders == 0 and sys.getswitchinterval() == pytest.approx(0.005)  # noqa: SLF001
+
+
+def test_a_connector_that_fails_to_start_puts_the_interval_back() -> None:
+    leaves = two_leaves()
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+    with pytest.raises(Exception):  # noqa: B017 - whatever the refused connect raises; the interval is the point
+        DKVConnector(leaves, device_blocks(leaves), namespace="test/gil", node=address, timeout=1.0)
     assert gil._holders == 0 and sys.getswitchinterval() == pytest.approx(0.005)  # noqa: SLF001
 
 
