@@ -27,8 +27,8 @@ calling thread shows ``NodeClient.read_here`` instead. Whatever the table does n
 connector's bookkeeping. ``--loop-path`` also times, interleaved, the same
 load the way a same-host load over 256 KiB went before the copy threads took
 it: posted to the loop thread (``WorkerSide._read``, ``NodeClient.read``),
-which then handed the copy on. ``--busy-caller`` also times, interleaved, the load with the calling thread
-busy in Python meanwhile (polling ``is_complete()`` between short runs of
+which then handed the copy on. ``--busy-caller`` also times, interleaved, the lookup and the load with the
+calling thread busy in Python meanwhile (polling ``is_complete()`` between short runs of
 pure Python, as a scheduler does between its steps): every hand-off of the
 GIL to the thread doing the load then waits for the caller's switch
 interval (``sys.getswitchinterval()``, printed: the connector's
@@ -216,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.loop_path:
             phases["whole load, posted to the loop thread"] = loop_path
         busy_caller: list[float] = []
+        busy_lookup: list[float] = []
         if args.busy_caller:
+            phases["lookup, the caller busy in Python"] = busy_lookup
             phases["load, the caller busy in Python"] = busy_caller
 
         def python_work() -> int:  # ~tens of µs of pure Python: what a scheduler does between two polls
@@ -227,8 +229,13 @@ def main(argv: list[str] | None = None) -> int:
 
         def dkv_load_busy_caller() -> None:
             row_bytes.fill(0)
+            t0 = time.perf_counter()
             handle = conn.start_lookup(hashes)
-            wait_done(handle, "start_lookup")
+            while not handle.is_complete():  # the lookup's steps on the loop thread wait for the GIL too
+                python_work()
+                if time.perf_counter() - t0 > TIMEOUT:
+                    raise SystemExit("the lookup did not complete while the calling thread was busy")
+            busy_lookup.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             transfer = conn.load_lookup(handle, {LEAF: ids}, {LEAF: hashes})
             while not transfer.is_complete():
