@@ -20,13 +20,16 @@ this.
 :func:`hold_switch_interval` lowers the interval (never raises it: an engine
 that set a shorter one keeps it) for as long as anyone holds it;
 :func:`release_switch_interval` by the last holder puts back the interval it
-found, unless someone else changed it meanwhile. Any thread.
+found, unless someone else changed it meanwhile. Any thread. A child forked
+from a holding process holds nothing (no connector's loop thread survives a
+fork): it starts with the interval that was found.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 import threading
 
@@ -109,3 +112,15 @@ def release_switch_interval() -> None:
         if sys.getswitchinterval() == _set:
             sys.setswitchinterval(_found)
         _found = _set = None
+
+
+def _forget_holders_in_child() -> None:
+    """After a fork, in the child: no holder came along, so put back the interval found (as the last release would)."""
+    global _lock, _holders, _found, _set
+    _lock = threading.Lock()  # another thread may have held it at the fork
+    if _found is not None and sys.getswitchinterval() == _set:
+        sys.setswitchinterval(_found)
+    _holders, _found, _set = 0, None, None
+
+
+os.register_at_fork(after_in_child=_forget_holders_in_child)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 
@@ -84,3 +85,15 @@ def test_the_environment_setting_parses_seconds_or_off(text: str | None, seconds
 def test_a_garbled_environment_setting_says_what_to_give(text: str) -> None:
     with pytest.raises(ConfigError, match=f"DKV_GIL_SWITCH_INTERVAL={text!r}: give"):
         gil.parse_switch_interval(text)
+
+
+def test_a_forked_child_holds_nothing_and_starts_from_the_interval_found() -> None:
+    gil.hold_switch_interval(0.0005)
+    pid = os.fork()
+    if pid == 0:  # the child: no connector came along
+        ok = gil._holders == 0 and abs(sys.getswitchinterval() - 0.005) < 1e-9  # noqa: SLF001
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child kept the parent's hold or its lowered interval"
+    assert sys.getswitchinterval() == pytest.approx(0.0005), "the parent still holds"
+    gil.release_switch_interval()
