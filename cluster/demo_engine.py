@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import select
 import sys
 import time
 from collections import Counter
@@ -34,7 +33,7 @@ from typing import Any
 
 import torch
 
-from cluster.process import die_with_parent
+from cluster.process import FdLines, die_with_parent
 from connector.engine.engine import Engine
 from connector.engine.model import ModelConfig
 
@@ -114,33 +113,6 @@ def serve_one(engine: Engine, request: dict[str, Any], prefix_caching: bool) -> 
     }
 
 
-class _Lines:
-    """Lines from a file descriptor, with a wait that lets the engine poll while none has come."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.buffer = b""
-        self.eof = False
-
-    def next(self, timeout: float) -> bytes | None:
-        """The next line (without its newline), ``None`` if none came within ``timeout``; ``b""`` at EOF."""
-        while b"\n" not in self.buffer:
-            if self.eof:
-                line, self.buffer = self.buffer, b""
-                return line
-            if len(self.buffer) > MAX_LINE:
-                raise ValueError(f"a request line over {MAX_LINE} bytes")
-            ready, _, _ = select.select([self.fd], [], [], timeout)
-            if not ready:
-                return None
-            chunk = os.read(self.fd, 1 << 20)
-            if not chunk:
-                self.eof = True
-            self.buffer += chunk
-        line, _, self.buffer = self.buffer.partition(b"\n")
-        return line
-
-
 def _send(message: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(message, separators=(",", ":")) + "\n")
     sys.stdout.flush()
@@ -159,7 +131,7 @@ def _close(engine: Engine | None) -> None:
 def main() -> int:
     die_with_parent()
     torch.set_num_threads(1)  # engines share the machine's cores with the nodes and UCX
-    lines = _Lines(sys.stdin.fileno())
+    lines = FdLines(sys.stdin.fileno(), MAX_LINE)
     engine: Engine | None = None
     prefix_caching = True
     try:

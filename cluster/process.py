@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -78,6 +79,43 @@ class NodeProcess:
         if self.ready.get("shm"):
             Path("/dev/shm", str(self.ready["shm"])).unlink(missing_ok=True)
         return self.proc.returncode
+
+
+class FdLines:
+    """Lines from a file descriptor (a child's stdout, a pipe), with a bounded wait for each.
+
+    Reads the descriptor itself, never through a buffered file object: a
+    ``select`` on a buffered reader misses lines it has already read ahead
+    (a ready line that came in one chunk behind a log line waits for ever).
+    """
+
+    def __init__(self, fd: int, max_line: int = 1 << 20) -> None:
+        self.fd = fd
+        self.max_line = max_line
+        self.buffer = b""
+        self.eof = False
+
+    def next(self, timeout: float) -> bytes | None:
+        """The next line (without its newline), ``None`` if none came within ``timeout``; ``b""`` at EOF.
+
+        ``ValueError`` when a line grows past ``max_line`` bytes.
+        """
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buffer:
+            if self.eof:
+                line, self.buffer = self.buffer, b""
+                return line
+            if len(self.buffer) > self.max_line:
+                raise ValueError(f"a line over {self.max_line} bytes")
+            ready, _, _ = select.select([self.fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return None
+            chunk = os.read(self.fd, 1 << 20)
+            if not chunk:
+                self.eof = True
+            self.buffer += chunk
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return line
 
 
 def pid_alive(pid: int) -> bool:

@@ -25,7 +25,6 @@ import copy
 import json
 import os
 import re
-import select
 import shutil
 import subprocess
 import sys
@@ -38,7 +37,7 @@ import pytest
 import yaml
 
 from cluster.local import METRICS_PORT, NODE_PORT_BASE, ROUTER_PORT, topology
-from cluster.process import stop_process
+from cluster.process import FdLines, stop_process
 from dkv.units import parse_address, parse_size
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -631,10 +630,13 @@ async def test_the_router_deployments_command_serves_routes_once_ready(etcd: Any
         address = None
         deadline = time.monotonic() + 30
         assert proc.stdout is not None
+        lines = FdLines(proc.stdout.fileno())  # (not select + readline: a line read ahead would be missed)
+        seen: list[str] = []
         while address is None:
-            ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-            assert ready and proc.poll() is None, "the router did not print its ready line"
-            line = proc.stdout.readline().decode(errors="replace").strip()
+            raw = lines.next(max(0.0, deadline - time.monotonic()))
+            assert raw, f"the router did not print its ready line; it printed: {seen}"
+            line = raw.decode(errors="replace").strip()
+            seen.append(line)
             if line.startswith("{"):
                 address = json.loads(line)["address"]
         async with httpx.AsyncClient(timeout=5) as http:

@@ -1,4 +1,5 @@
-"""Node processes: a node started with ``exit_with_parent`` never outlives the process that started it."""
+"""Node processes: a node started with ``exit_with_parent`` never outlives the process that started it;
+a child's lines are read off its descriptor, none missed."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
+
+from cluster.process import FdLines
 
 ROOT = Path(__file__).resolve().parents[2]
 BOUND = 60.0
@@ -52,3 +57,35 @@ def test_a_node_started_with_exit_with_parent_stops_gracefully_when_its_starter_
             parent.wait(BOUND)
         if node_pid is not None and _running(node_pid):
             os.kill(node_pid, signal.SIGKILL)
+
+
+def test_lines_that_arrive_in_one_chunk_are_each_returned_without_waiting() -> None:
+    """A log line and the ready line in one write: the second must not wait for more input (a select on a
+    buffered reader that had read both would wait for ever)."""
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, b"warning: etcd is slow\n{\"address\": \"127.0.0.1:1\"}\npart")
+        lines = FdLines(read_end)
+        assert lines.next(BOUND) == b"warning: etcd is slow"
+        assert lines.next(0.0) == b'{"address": "127.0.0.1:1"}', "the line already read must come without a wait"
+        assert lines.next(0.05) is None, "a partial line is not a line"
+        os.write(write_end, b"ial\nlast")
+        assert lines.next(BOUND) == b"partial"
+        os.close(write_end)
+        write_end = -1
+        assert lines.next(BOUND) == b"last" and lines.next(BOUND) == b"", "EOF: what is left, then b''"
+    finally:
+        os.close(read_end)
+        if write_end >= 0:
+            os.close(write_end)
+
+
+def test_a_line_past_its_bound_is_refused() -> None:
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, b"x" * 64)
+        with pytest.raises(ValueError, match="over 16 bytes"):
+            FdLines(read_end, max_line=16).next(BOUND)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
