@@ -68,6 +68,36 @@ def test_factory_views_dlpack_buffers_without_copy_and_round_trips(node) -> None
         conn.shutdown()
 
 
+@pytest.mark.parametrize(("setting", "interval"), [(None, 0.0005), ("0.0002", 0.0002), ("off", 0.005)])
+def test_the_factory_takes_the_gil_switch_interval_from_the_environment(node, monkeypatch, setting, interval) -> None:
+    """DKV_GIL_SWITCH_INTERVAL: unset, the connector's default; seconds; or off (the interpreter's left alone)."""
+    if setting is None:
+        monkeypatch.delenv("DKV_GIL_SWITCH_INTERVAL", raising=False)
+    else:
+        monkeypatch.setenv("DKV_GIL_SWITCH_INTERVAL", setting)
+    found = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    memory = [{"full": FakeMemory([torch.zeros(4, 1024, dtype=torch.uint8).numpy()])}]
+    try:
+        conn = create_connector({"full": 0}, [], memory, FakeParams(FakeConfig(node.address)), 4 * 1024)
+        try:
+            assert sys.getswitchinterval() == pytest.approx(interval)
+        finally:
+            conn.shutdown()
+        assert sys.getswitchinterval() == pytest.approx(0.005), "the shutdown puts the interval back"
+    finally:
+        sys.setswitchinterval(found)
+
+
+def test_a_garbled_gil_switch_interval_in_the_environment_is_refused(node, monkeypatch) -> None:
+    from dkv.errors import ConfigError
+
+    monkeypatch.setenv("DKV_GIL_SWITCH_INTERVAL", "fast")
+    memory = [{"full": FakeMemory([torch.zeros(4, 1024, dtype=torch.uint8).numpy()])}]
+    with pytest.raises(ConfigError, match="DKV_GIL_SWITCH_INTERVAL='fast'"):
+        create_connector({"full": 0}, [], memory, FakeParams(FakeConfig(node.address)), 4 * 1024)
+
+
 def test_namespace_follows_the_layout_of_the_params() -> None:
     a = namespace_for(FakeParams(FakeConfig("x")))
     b = namespace_for(FakeParams(FakeConfig("x"), dtype="float8"))
