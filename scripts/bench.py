@@ -124,7 +124,7 @@ LABELS = {
     "dkv_one_block_listener_busy": "dKV 1-block load, listener, caller busy in Python",
     "dkv_one_block_listener_busy_5ms": "the same at CPython's 5 ms switch interval",
 }
-BUSY_WORK = 500  # additions of pure Python between two polls of a busy caller (tens of µs: a scheduler's step)
+BUSY_WORK = bench_common.SCHEDULER_STEP_ADDITIONS  # a busy caller's Python between two polls
 
 
 class BenchError(RuntimeError):
@@ -1012,17 +1012,11 @@ class Bench:
             wait_done(conn.load({LEAF: [1]}, {LEAF: one_hashes}), "one-block load")
             return time.perf_counter_ns() - t0
 
-        def busy_python() -> int:
-            total = 0
-            for i in range(BUSY_WORK):
-                total += i
-            return total
-
         def busy_until(item: Any, what: str) -> None:
             """Poll ``item`` between runs of Python, as a scheduler does between its steps (the GIL stays busy)."""
             deadline = time.monotonic() + OP_TIMEOUT
             while not item.is_complete():
-                busy_python()
+                bench_common.scheduler_step(BUSY_WORK)
                 if time.monotonic() > deadline:
                     raise BenchError(f"{what} did not complete within {OP_TIMEOUT:.0f}s with the caller busy")
 

@@ -39,6 +39,17 @@ def wait_done(item: Any, what: str, timeout: float, error: type[BaseException] =
         time.sleep(0.00005)
 
 
+SCHEDULER_STEP_ADDITIONS = 500  # pure-Python additions between two polls of a busy caller (tens of µs)
+
+
+def scheduler_step(additions: int = SCHEDULER_STEP_ADDITIONS) -> int:
+    """Pure Python for tens of µs, holding the GIL: what a scheduler does between two polls of a transfer."""
+    total = 0
+    for i in range(additions):
+        total += i
+    return total
+
+
 def rotate(items: Sequence[Any], k: int) -> list[Any]:
     """``items`` rotated left by ``k``: round ``k`` of an interleaved run starts with a different contender."""
     k %= len(items)

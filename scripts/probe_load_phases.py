@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     import torch
 
+    from bench_common import scheduler_step
     from bench_common import wait_done as wait_until_done
     from cluster.process import start_node
     from connector.dkv_connector import DKVConnector
@@ -221,25 +222,19 @@ def main(argv: list[str] | None = None) -> int:
             phases["lookup, the caller busy in Python"] = busy_lookup
             phases["load, the caller busy in Python"] = busy_caller
 
-        def python_work() -> int:  # ~tens of µs of pure Python: what a scheduler does between two polls
-            total = 0
-            for i in range(500):
-                total += i
-            return total
-
         def dkv_load_busy_caller() -> None:
             row_bytes.fill(0)
             t0 = time.perf_counter()
             handle = conn.start_lookup(hashes)
             while not handle.is_complete():  # the lookup's steps on the loop thread wait for the GIL too
-                python_work()
+                scheduler_step()
                 if time.perf_counter() - t0 > TIMEOUT:
                     raise SystemExit("the lookup did not complete while the calling thread was busy")
             busy_lookup.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             transfer = conn.load_lookup(handle, {LEAF: ids}, {LEAF: hashes})
             while not transfer.is_complete():
-                python_work()
+                scheduler_step()
                 if time.perf_counter() - t0 > TIMEOUT:
                     raise SystemExit("the load did not complete while the calling thread was busy")
             busy_caller.append(time.perf_counter() - t0)
