@@ -35,7 +35,7 @@ import torch
 
 from connector.held_blocks import HeldBlocks
 from connector.lease_budget import LeaseBudget, Slot
-from connector.transfer_plan import LeafRun, TransferPlan, plan_transfer
+from connector.transfer_plan import TransferPlan, leaf_tensors, plan_transfer
 from connector.metrics import load_duration_histogram
 from connector.types import (
     AttentionKind,
@@ -264,7 +264,7 @@ class SchedulerSide:
         self.leaves = dict(leaves)
         self.tp_shards = validate_device_blocks(self.leaves, device_blocks)
         self.blocks = [dict(replica) for replica in device_blocks]
-        self.pages = [{leaf: int(shards[0].shape[0]) for leaf, shards in replica.items()} for replica in self.blocks]
+        self.tensors = [leaf_tensors(replica) for replica in self.blocks]  # pages, sizes, device: read once
         self.leaf_names = list(self.leaves)
         self.probe_leaves = [leaf for leaf, spec in self.leaves.items() if spec.kind is AttentionKind.FULL]
         self.namespace = namespace
@@ -503,7 +503,7 @@ class SchedulerSide:
         """
         try:
             self.check_replica(replica_idx)
-            plan = plan_transfer(block_ids, block_hashes, self.blocks[replica_idx], self.pages[replica_idx])
+            plan = plan_transfer(block_ids, block_hashes, self.tensors[replica_idx])
         except ValueError as exc:
             self._refused("invalid")
             raise KVLoadInvalid(f"load refused: {exc}") from exc
@@ -570,7 +570,7 @@ class SchedulerSide:
                      replica_idx: int) -> TransferPlan:
         """Scheduler thread: validate an offload (``ValueError``) and drop what the co-located node holds."""
         self.check_replica(replica_idx)
-        return self.not_held(plan_transfer(block_ids, block_hashes, self.blocks[replica_idx], self.pages[replica_idx]))
+        return self.not_held(plan_transfer(block_ids, block_hashes, self.tensors[replica_idx]))
 
     def not_held(self, plan: TransferPlan) -> TransferPlan:
         """Scheduler thread: ``plan`` without the blocks the co-located node is known to hold (:mod:`connector.held_blocks`)."""
@@ -583,8 +583,7 @@ class SchedulerSide:
                 continue
             changed = True
             if keep:
-                runs.append(LeafRun(run.leaf, run.shards, [run.block_ids[i] for i in keep],
-                                    [run.hashes[i] for i in keep]))
+                runs.append(run.subset(keep))
         return TransferPlan(runs) if changed else plan
 
     def drop_offload(self, plan: TransferPlan) -> None:

@@ -6,9 +6,19 @@
  *   bytearray) of 8 or 32 bytes (dkv.keys.HASH_LENGTHS), else False; never raises for any input.
  *   dkv.keys.plain_hashes_python is its Python twin; the tests compare the two on every length 0..64
  *   and on mixed and foreign items.
+ *
+ * plain_block_ids(ids, pages) -> list[int] | None
+ *
+ *   A new list of ``ids`` when it is a list or a tuple of exactly ``int`` (not bool, not a numpy integer),
+ *   each in ``1..pages-1`` and no two alike: a transfer's block ids as the scheduler thread checks them on
+ *   every load and offload (connector.transfer_plan). None for anything else, never an exception for any
+ *   ``ids``: the caller then checks them the general way, which says what is wrong.
+ *   connector.transfer_plan.plain_block_ids_python is its Python twin; the tests hold the two to the same
+ *   answers.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <string.h>
 
 static PyObject *plain_hashes(PyObject *Py_UNUSED(self), PyObject *values) {
     if (!PyList_CheckExact(values) && !PyTuple_CheckExact(values)) {
@@ -29,8 +39,100 @@ static PyObject *plain_hashes(PyObject *Py_UNUSED(self), PyObject *values) {
     Py_RETURN_TRUE;
 }
 
+/* Open addressing over a power-of-two table of at least twice ``n`` slots; 0 marks an empty slot (ids >= 1). */
+static int all_distinct(const long long *values, Py_ssize_t n) {
+    size_t size = 16;
+    while (size < (size_t)n * 2) {
+        size <<= 1;
+    }
+    long long stack[256];
+    long long *table = size <= 256 ? stack : PyMem_Calloc(size, sizeof(long long));
+    if (!table) {
+        return -1;
+    }
+    if (table == stack) {
+        memset(stack, 0, size * sizeof(long long));
+    }
+    int distinct = 1;
+    for (Py_ssize_t i = 0; i < n && distinct; i++) {
+        size_t at = ((size_t)values[i] * 0x9E3779B97F4A7C15ull) & (size - 1);
+        while (table[at] != 0) {
+            if (table[at] == values[i]) {
+                distinct = 0;
+                break;
+            }
+            at = (at + 1) & (size - 1);
+        }
+        table[at] = values[i];
+    }
+    if (table != stack) {
+        PyMem_Free(table);
+    }
+    return distinct;
+}
+
+static PyObject *plain_block_ids(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "plain_block_ids(ids, pages)");
+        return NULL;
+    }
+    PyObject *ids = args[0];
+    long long pages = PyLong_AsLongLong(args[1]);
+    if (pages == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (!PyList_CheckExact(ids) && !PyTuple_CheckExact(ids)) {
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(ids);
+    PyObject **items = PySequence_Fast_ITEMS(ids);
+    long long small[256];
+    long long *values = n <= 256 ? small : PyMem_Malloc((size_t)n * sizeof(long long));
+    if (!values) {
+        return PyErr_NoMemory();
+    }
+    int plain = 1;
+    for (Py_ssize_t i = 0; i < n && plain; i++) {
+        PyObject *item = items[i];
+        if (!PyLong_CheckExact(item)) {
+            plain = 0;
+            break;
+        }
+        int overflow = 0;
+        long long value = PyLong_AsLongLongAndOverflow(item, &overflow);
+        if (overflow || value < 1 || value >= pages) {
+            plain = 0;
+            break;
+        }
+        values[i] = value;
+    }
+    if (plain) {
+        plain = all_distinct(values, n);
+    }
+    if (values != small) {
+        PyMem_Free(values);
+    }
+    if (plain < 0) {
+        return PyErr_NoMemory();
+    }
+    if (!plain) {
+        Py_RETURN_NONE;
+    }
+    PyObject *copy = PyList_New(n);
+    if (!copy) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_INCREF(items[i]);
+        PyList_SET_ITEM(copy, i, items[i]);
+    }
+    return copy;
+}
+
 static PyMethodDef methods[] = {
     {"plain_hashes", plain_hashes, METH_O, "True when a list or tuple holds only bytes of 8 or 32 bytes each."},
+    {"plain_block_ids", (PyCFunction)(void (*)(void))plain_block_ids, METH_FASTCALL,
+     "plain_block_ids(ids, pages): a new list of ids when they are plain ints in 1..pages-1, no two alike; else None."},
     {NULL, NULL, 0, NULL},
 };
 
