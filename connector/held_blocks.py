@@ -100,9 +100,13 @@ class HeldBlocks:
         if not young and not old:
             return list(range(n))
         learned = list(map(young.get, hashes)) if young else [None] * n
-        if old and None in learned:
-            learned = [old.get(h) if when is None else when for when, h in zip(learned, hashes)]
         misses = learned.count(None)
+        if old and misses:
+            if misses == n:  # none learned lately (the usual offload: new blocks): one C-speed pass over the old
+                learned = list(map(old.get, hashes))
+            else:
+                learned = [old.get(h) if when is None else when for when, h in zip(learned, hashes)]
+            misses = learned.count(None)
         if misses == n:  # the usual offload: new blocks, none known
             return list(range(n))
         oldest = self._clock() - self._max_age
