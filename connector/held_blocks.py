@@ -10,18 +10,13 @@ in age: the node may evict a block without telling anyone, and a stale entry
 costs at most one skipped offload of a block the node since dropped, never
 wrong bytes.
 
-Bounded by the order of learning: each batch of pairs learned is queued
-with its stamp; once the queued batches name more than ``capacity`` pairs,
-the oldest are forgotten, each pair only where no later batch learned it
-again (its stamp is still the batch's). Every pair remembered is in a
-queued batch, so at most ``capacity`` entries are remembered (and queued);
-the pairs of the newest batches that together name at most ``capacity``
-are still there (unless the node since said it lacks them); and learning
-and forgetting are C-speed passes per batch. Each leaf has one map keyed by the
-hash bytes, whose hash Python caches: an offload asks one map per block.
-(Two generations, young and old, cost an offload of new blocks a second
-lookup per block, into a second large map: 29 against 15 µs for 64 new
-blocks, timed in place on the scheduler thread.)
+Bounded by generations, not by an order kept per entry: pairs are learned
+into the young generation; once it holds half the capacity it becomes the
+old one and the previous old one is forgotten whole. So at most
+``capacity`` entries are remembered, a pair learned within the last half
+capacity of learning is always still there, and learning is one C-speed
+dict pass per leaf (no per-pair reordering). Each leaf has its own map keyed
+by the hash bytes, whose hash Python caches.
 
 Thread-safe: read on the scheduler thread (:meth:`HeldBlocks.lacking` without a lock), taught on
 the loop thread.
@@ -31,8 +26,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import math
-import operator
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -40,7 +33,7 @@ from collections.abc import Callable, Sequence
 DEFAULT_CAPACITY = 65536  # (leaf, hash) pairs remembered
 DEFAULT_MAX_AGE = 30.0  # seconds an entry is trusted
 
-Known = dict[str, dict[bytes, float]]  # leaf -> hash -> the stamp of the batch that last learned it
+Generation = dict[str, dict[bytes, float]]  # leaf -> hash -> when learned
 
 
 class HeldBlocks:
@@ -51,56 +44,42 @@ class HeldBlocks:
         if capacity < 2:
             raise ValueError(f"capacity must be at least 2: {capacity}")
         self._lock = threading.Lock()
-        self._known: Known = {}
-        self._batches: collections.deque[tuple[str, float, Sequence[bytes]]] = collections.deque()
-        self._queued = 0  # pairs named by the queued batches (learned again or not)
-        self._capacity = capacity
+        self._young: Generation = {}
+        self._old: Generation = {}
+        self._young_size = 0  # entries in the young generation, over every leaf
+        self._half = capacity // 2
         self._max_age = max_age
         self._clock = clock
-        self._last_stamp = -math.inf
-
-    def _stamp(self) -> float:
-        """Under the lock: now, made later than every earlier batch's stamp (a stamp names its batch)."""
-        now = self._clock()
-        if now <= self._last_stamp:
-            now = math.nextafter(self._last_stamp, math.inf)
-        self._last_stamp = now
-        return now
 
     def learn(self, leaf: str, held: Sequence[bytes] = (), absent: Sequence[bytes] = ()) -> None:
         """The node said it holds ``held`` of ``leaf`` (on every shard) and lacks ``absent``."""
-        if len(held) > self._capacity:
-            held = held[len(held) - self._capacity:]  # more than the memory: the last learned are kept
+        now = self._clock()
+        if len(held) > self._half:
+            held = held[len(held) - self._half:]  # more than a generation: the last learned are kept
         with self._lock:
             if absent:
-                known = self._known.get(leaf)
-                if known:
-                    collections.deque(map(known.pop, absent, itertools.repeat(None)), maxlen=0)
+                for generation in (self._young, self._old):
+                    known = generation.get(leaf)
+                    if known:
+                        before = len(known)
+                        collections.deque(map(known.pop, absent, itertools.repeat(None)), maxlen=0)
+                        if generation is self._young:
+                            self._young_size -= before - len(known)
             if not held:
                 return
-            known = self._known.get(leaf)
-            if known is None:
-                known = self._known[leaf] = {}
-            stamp = self._stamp()
-            known.update(zip(held, itertools.repeat(stamp)))
-            self._batches.append((leaf, stamp, tuple(held)))  # a copy: the caller's list may change
-            self._queued += len(held)
-            while self._queued > self._capacity:
-                self._forget_oldest_batch()
-
-    def _forget_oldest_batch(self) -> None:
-        """Under the lock: forget the oldest batch's pairs that no later batch learned again."""
-        leaf, stamp, hashes = self._batches.popleft()
-        self._queued -= len(hashes)
-        known = self._known.get(leaf)
-        if known:
-            stale = itertools.compress(hashes, map(operator.eq, map(known.get, hashes), itertools.repeat(stamp)))
-            collections.deque(map(known.pop, list(stale), itertools.repeat(None)), maxlen=0)
+            if self._young_size + len(held) > self._half:  # the young generation would overflow: it ages
+                self._old, self._young, self._young_size = self._young, {}, 0
+            young = self._young.get(leaf)
+            if young is None:
+                young = self._young[leaf] = {}
+            before = len(young)
+            young.update(zip(held, itertools.repeat(now)))
+            self._young_size += len(young) - before
 
     def forget(self) -> None:
         """Forget everything: the node stopped answering, and may come back empty."""
         with self._lock:
-            self._known, self._batches, self._queued = {}, collections.deque(), 0
+            self._young, self._old, self._young_size = {}, {}, 0
 
     def holds(self, leaf: str, block_hash: bytes) -> bool:
         """True when the node said it holds the pair within the last ``max_age`` seconds."""
@@ -112,16 +91,22 @@ class HeldBlocks:
         The scheduler thread asks this per offload, so it takes no lock: the
         writers (the loop thread) hold the lock through a whole batch, and a
         reader that waited for it would wait for the loop thread to get the
-        GIL back. Each dict operation is atomic under the GIL, so a read
-        concurrent with :meth:`learn` sees each pair either learned or not,
-        which is all this advisory memory promises.
+        GIL back. Each dict operation, and the swap of generations, is atomic
+        under the GIL, so a read concurrent with :meth:`learn` sees each pair
+        either learned or not, which is all this advisory memory promises.
         """
         n = len(hashes)
-        known = self._known.get(leaf)
-        if not known:
+        young, old = self._young.get(leaf), self._old.get(leaf)
+        if not young and not old:
             return list(range(n))
-        learned = list(map(known.get, hashes))
+        learned = list(map(young.get, hashes)) if young else [None] * n
         misses = learned.count(None)
+        if old and misses:
+            if misses == n:  # none learned lately (the usual offload: new blocks): one C-speed pass over the old
+                learned = list(map(old.get, hashes))
+            else:
+                learned = [old.get(h) if when is None else when for when, h in zip(learned, hashes)]
+            misses = learned.count(None)
         if misses == n:  # the usual offload: new blocks, none known
             return list(range(n))
         oldest = self._clock() - self._max_age
@@ -132,10 +117,12 @@ class HeldBlocks:
             if when is None:
                 keep.append(i)
             elif when < oldest:
-                known.pop(hashes[i], None)  # aged out (atomic; a concurrent learn may have renewed it)
+                for generation in (young, old):  # aged out (atomic; a concurrent learn may have renewed it)
+                    if generation:
+                        generation.pop(hashes[i], None)
                 keep.append(i)
         return keep
 
     def __len__(self) -> int:
-        """Entries remembered: at most ``capacity``."""
-        return sum(map(len, self._known.values()))
+        """Entries remembered over both generations (a pair in both counts twice): at most ``capacity``."""
+        return sum(map(len, self._young.values())) + sum(map(len, self._old.values()))
