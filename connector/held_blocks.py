@@ -11,8 +11,10 @@ costs at most one skipped offload of a block the node since dropped, never
 wrong bytes.
 
 Bounded by generations, not by an order kept per entry: pairs are learned
-into the young generation; once it holds half the capacity it becomes the
-old one and the previous old one is forgotten whole. So at most
+into the young generation; once it would hold more than half the capacity
+it becomes the old one and the previous old one is forgotten whole. Pairs it
+already holds count for nothing (they only get a new time), so a prefix
+taught again by every lookup does not age what offloads taught. So at most
 ``capacity`` entries are remembered, a pair learned within the last half
 capacity of learning is always still there, and learning is one C-speed
 dict pass per leaf (no per-pair reordering). Each leaf has its own map keyed
@@ -67,7 +69,7 @@ class HeldBlocks:
                             self._young_size -= before - len(known)
             if not held:
                 return
-            if self._young_size + len(held) > self._half:  # the young generation would overflow: it ages
+            if self._young_size + self._new_to_young(leaf, held) > self._half:  # it would overflow: it ages
                 self._old, self._young, self._young_size = self._young, {}, 0
             young = self._young.get(leaf)
             if young is None:
@@ -75,6 +77,19 @@ class HeldBlocks:
             before = len(young)
             young.update(zip(held, itertools.repeat(now)))
             self._young_size += len(young) - before
+
+    def _new_to_young(self, leaf: str, held: Sequence[bytes]) -> int:
+        """Under the lock: how many of ``held`` the young generation lacks (what learning them adds to it).
+
+        Pairs the young generation already has only get a new time: a hot
+        prefix that every lookup teaches again must not age the generations
+        (and push out what offloads taught) as if it were new each time. One
+        C-speed pass, taken only when ``held`` could make the generation overflow.
+        """
+        if self._young_size + len(held) <= self._half:
+            return len(held)
+        young = self._young.get(leaf)
+        return len(held) - (sum(map(young.__contains__, held)) if young else 0)
 
     def forget(self) -> None:
         """Forget everything: the node stopped answering, and may come back empty."""

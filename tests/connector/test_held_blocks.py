@@ -75,3 +75,12 @@ def test_entries_older_than_max_age_are_lacking_whichever_generation_holds_them(
 def test_a_memory_too_small_to_hold_two_generations_is_refused() -> None:
     with pytest.raises(ValueError):
         HeldBlocks(capacity=1)
+
+
+def test_learning_a_hot_prefix_again_and_again_does_not_push_out_what_else_was_learned() -> None:
+    held = HeldBlocks(capacity=64, clock=Clock())
+    offloaded, hot = hashes(20, salt=1), hashes(20, salt=2)
+    held.learn("full", held=offloaded)
+    for _ in range(1000):  # every lookup of the hot prefix teaches it again
+        held.learn("full", held=hot)
+    assert held.lacking("full", offloaded) == [] and held.lacking("full", hot) == []
