@@ -82,6 +82,7 @@ from connector.scheduler_side import (
 )
 from connector.types import CompletedTransfer, KVLoadRefused, LeafSpec
 from connector.worker_side import (
+    LOOKUP_PAYLOAD_BYTES,
     MAX_BACKGROUND,
     MAX_QUEUED_RELEASES,
     PEER_IDLE_TIMEOUT,
@@ -134,6 +135,7 @@ class DKVConnector:
         metrics_registry: CollectorRegistry | None = None,
         lookup_in_place: bool = True,
         gil_switch_interval: float | None = DEFAULT_SWITCH_INTERVAL,
+        lookup_payload_bytes: int = LOOKUP_PAYLOAD_BYTES,
     ) -> None:
         """Any thread (the engine's, once): connect to the co-located node at ``node`` and, with ``etcd``, follow the cluster.
 
@@ -170,7 +172,17 @@ class DKVConnector:
         each wait up to CPython's 5 ms for a scheduler thread busy in Python
         (see :mod:`dkv.gil`); the interval found is put back by the last
         connector's shutdown. None leaves the interpreter's setting alone.
+
+        ``lookup_payload_bytes`` (default :data:`connector.worker_side.LOOKUP_PAYLOAD_BYTES`,
+        256 KiB): a lookup on the listener path (a peer's blocks, or
+        ``local=False``) asks the node to send the blocks' bytes with its
+        answer when they come to at most this many, each checked against its
+        checksum as it lands. The lease's load then copies them on the
+        calling thread, with no round trip (a small remote load costs one
+        round trip, not two). 0 never asks. See :mod:`dkv.wire`, ``send``.
         """
+        if lookup_payload_bytes < 0:
+            raise ValueError(f"lookup_payload_bytes must not be negative, not {lookup_payload_bytes}")
         self.namespace = check_namespace(namespace)
         if gil_switch_interval is not None:
             check_switch_interval(gil_switch_interval)  # before anything starts
@@ -190,7 +202,7 @@ class DKVConnector:
         self._worker = WorkerSide(self._sched, loop, namespace=self.namespace, node_address=node, token=token,
                                   tenant=tenant, timeout=timeout, local=local, checksums=checksums,
                                   etcd=etcd_target, layout=layout, peer_idle_timeout=peer_idle_timeout,
-                                  lookup_in_place=lookup_in_place)
+                                  lookup_in_place=lookup_in_place, lookup_payload_bytes=lookup_payload_bytes)
         hold_switch_interval(gil_switch_interval)  # (checked above: it does not raise)
         try:
             self.node_id = loop.run(self._worker.start(node_id), timeout + 10)

@@ -57,7 +57,8 @@ _PLAIN: dict[str, tuple[str, str]] = {
                                            "Small same-host loads copied on the calling thread (in loads too)"),
     "dkv_connector_blocks_loaded_total": ("blocks_loaded", "Blocks (hash x leaf x shard) loads brought in"),
     "dkv_connector_checksum_failures_total": ("checksum_failures",
-                                              "Loads failed by their checksums, and offloads the node refused so"),
+                                              "Loads failed by their checksums, offloads the node refused so, and lookups "
+                                              "whose blocks sent with the answer failed theirs"),
     "dkv_connector_offloads_total": ("offloads", "Offloads posted"),
     "dkv_connector_blocks_offloaded_total": ("blocks_offloaded", "Blocks (hash x leaf x shard) stored by offloads"),
     "dkv_connector_offloads_failed_total": ("offloads_failed", "Offloads that failed"),

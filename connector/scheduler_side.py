@@ -80,6 +80,9 @@ class LeaseState:
     peer: bool  # True when the source is not the co-located node
     generation: int = 0  # the client's lease generation when the lease was granted
     slot: int | None = None  # its slot in the connector's lease budget on that node
+    # the node sent the blocks' bytes with the answer: the connector's client holds them, and the node ended
+    # the lease then, so nothing of the node (a connection, the lease) is needed for the load
+    received: bool = False
     # per leaf, the hashes the lookup reported: built once, where the lookup completes (the loop
     # thread), so that a load checks its blocks against it without building anything
     reported: dict[str, frozenset[bytes]] = field(default_factory=dict, repr=False)
@@ -173,7 +176,8 @@ class ConnectorCounters:
     loads_in_place: int = 0  # small same-host loads copied on the calling thread (in loads too)
     loads_refused: int = 0
     loads_failed: int = 0
-    checksum_failures: int = 0  # loads failed by their checksums (in loads_failed too); offloads the node refused
+    checksum_failures: int = 0  # loads failed by their checksums (in loads_failed too); offloads the node refused;
+    # lookups whose blocks, sent with the answer, failed theirs (those blocks reported absent)
     blocks_loaded: int = 0
     offloads: int = 0
     blocks_offloaded: int = 0
@@ -464,8 +468,12 @@ class SchedulerSide:
         return slot
 
     def granted(self, address: str, slot: Slot | None, hashes: list[bytes], hint: bytes | None, peer: bool,
-                masks: Masks, lease_id: int | None, ttl: float, generation: int) -> LeaseState:
-        """Loop thread: a leased lookup answered; book its lease and what the co-located node holds."""
+                masks: Masks, lease_id: int | None, ttl: float, generation: int, *,
+                received: bool = False) -> LeaseState:
+        """Loop thread: a leased lookup answered; book its lease and what the co-located node holds.
+
+        ``received``: the node sent the blocks' bytes with the answer (see :class:`LeaseState`).
+        """
         expires_at = self.clock() + ttl
         if lease_id is None:
             self.budget.give_back(address, slot)
@@ -474,7 +482,8 @@ class SchedulerSide:
             self.budget.bind(address, slot, lease_id, expires_at)
         if not peer:
             self.learn_lookup(hashes, masks)
-        return LeaseState(address, lease_id, masks, hashes, hint, expires_at, peer, generation, slot)
+        return LeaseState(address, lease_id, masks, hashes, hint, expires_at, peer, generation, slot,
+                          received=received)
 
     def learn_lookup(self, hashes: Sequence[bytes], masks: Mapping[str, Sequence[bool]]) -> None:
         """Any thread: the co-located node said which of ``hashes`` each leaf holds."""
@@ -552,7 +561,7 @@ class SchedulerSide:
             return "no_lease", KVLoadRefused("the lookup holds no lease", *state.blame(plan))
         if self.clock() > state.expires_at - LEASE_MARGIN:
             return "lease_expired", KVLoadRefused("the lookup's lease expired before the load", *state.blame(plan))
-        if leases_lost(state.address, state.generation):
+        if not state.received and leases_lost(state.address, state.generation):
             return "lease_lost", KVLoadRefused("the node no longer holds the lookup's lease (every connection to it "
                                                "closed, or it restarted)", *state.blame(plan))
         reported = state.reported

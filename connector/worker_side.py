@@ -26,6 +26,7 @@ import collections
 import concurrent.futures
 import contextlib
 import ctypes
+import dataclasses
 import enum
 import functools
 import logging
@@ -63,6 +64,9 @@ MAX_QUEUED_RELEASES = 1024  # lease releases waiting per node (a node ends a cli
 # a checked copy of this size (~30 µs) costs less than the two thread hops of posting it; a larger one is
 # posted straight to the copy threads
 IN_PLACE_LOAD_BYTES = 256 * 1024
+# a listener lookup asks its node to send the blocks' bytes with the answer when they come to at most this
+# many (see dkv.wire, ``send``): their load then copies them on the calling thread, with no round trip
+LOOKUP_PAYLOAD_BYTES = IN_PLACE_LOAD_BYTES
 
 
 def _gil_holding_write() -> Callable[[int, bytes, int], int]:
@@ -178,7 +182,7 @@ class WorkerSide:
     def __init__(self, sched: SchedulerSide, loop: LoopThread, *, namespace: str, node_address: str,
                  token: bytes | None, tenant: str | None, timeout: float, local: bool | None, checksums: bool,
                  etcd: str | EtcdSettings | None, layout: Layout | None, peer_idle_timeout: float,
-                 lookup_in_place: bool = True) -> None:
+                 lookup_in_place: bool = True, lookup_payload_bytes: int = LOOKUP_PAYLOAD_BYTES) -> None:
         """Any thread (construction); nothing is started until :meth:`start` runs on the loop."""
         self.sched = sched
         self.loop = loop
@@ -193,6 +197,7 @@ class WorkerSide:
         self._layout = layout
         self._peer_idle = peer_idle_timeout
         self._in_place = lookup_in_place  # lookup() may use the co-located node's direct channel
+        self._lookup_payload = lookup_payload_bytes  # listener lookups ask for their blocks' bytes up to this
         self.host_bytes = ByteCount(free=0, total=0)
         self.disk_bytes = ByteCount(free=0, total=0)
         devices = {t.device for replica in sched.blocks for shards in replica.values() for t in shards}
@@ -356,7 +361,7 @@ class WorkerSide:
             self.sched.budget.give_back(address, slot)  # whatever the node did, the TTL ends it: do not wait on it
             raise
         return self.sched.granted(address, slot, hashes, hint, peer, result.masks, result.lease_id, ttl,
-                                  client.lease_generation)
+                                  client.lease_generation, received=result.received)
 
     def _lookup_fits(self, client: NodeClient, hashes: int) -> int:
         """How many of ``hashes`` one leased request to ``client``'s node may carry (``max_cost``, ``max_keys``)."""
@@ -369,7 +374,7 @@ class WorkerSide:
             return result
         self.sched.count(lookups_truncated=1)
         absent = [False] * (hashes - asked)
-        return LookupResult({leaf: mask + absent for leaf, mask in result.masks.items()}, result.lease_id)
+        return dataclasses.replace(result, masks={leaf: mask + absent for leaf, mask in result.masks.items()})
 
     async def _leased_lookup(self, client: NodeClient, hashes: list[bytes], group: int) -> LookupResult:
         """Loop thread: one leased lookup of the longest prefix of ``hashes`` the node takes in one request.
@@ -383,7 +388,9 @@ class WorkerSide:
             await client.connect()  # the node's limits come with its handshake
         fits = self._lookup_fits(client, len(hashes))
         result = await client.lookup(hashes[:fits], list(self.sched.leaf_names), self.sched.tp_shards,
-                                     lease=True, group=group)
+                                     lease=True, group=group, send=self._lookup_payload)
+        if result.rejected:  # sent with the answer, failed their checksums: reported absent by the client
+            self.sched.count(checksum_failures=1)
         return self._padded(result, fits, len(hashes))
 
     def lookup_in_place(self, address: str, hashes: list[bytes], group: int, hint: bytes | None,
@@ -536,12 +543,14 @@ class WorkerSide:
         return transfer
 
     def load_in_place(self, state: LeaseState, plan: TransferPlan) -> CompletedTransfer | Transfer | None:
-        """Scheduler thread: a same-host load copied without the loop thread; ``None`` when it must be posted instead.
+        """Scheduler thread: a load copied without the loop thread; ``None`` when it must be posted instead.
 
-        Only a load from the co-located node into rows the copy engine fills
-        in place (CPU tensors), whose lease's slot map this client holds: it
-        is claimed here, then copied and checked without a round trip and
-        without a hop through the loop thread:
+        Only a load into rows the copy engine fills in place (CPU tensors)
+        whose lease's slot map this client holds: a same-host node's (the
+        co-located one, or a peer on the same host), or the bytes a node sent
+        with the lookup's answer (:meth:`LeaseSlots.received_with_lookup`, any
+        node). It is claimed here, then copied and checked without a round
+        trip and without a hop through the loop thread:
         - at most ``IN_PLACE_LOAD_BYTES``: right here
           (:meth:`dkv.client.NodeClient.read_here`: tens of µs), and the load
           is returned completed;
@@ -550,13 +559,13 @@ class WorkerSide:
           there), and the returned transfer completes when the thread that
           copies its last chunk has checked it.
         Either way the lease's end is queued for the next request (or a
-        flush the loop thread sends shortly), and the load is booked as
+        flush the loop thread sends shortly; not for received bytes: the node
+        ended that lease when it sent them), and the load is booked as
         :meth:`_read` books one. A copy that does not verify (a slot map that
         lapsed, a slot reused) is read the two-step way on the loop thread,
         as :meth:`_read` would do with it.
         """
-        if (not self._in_place or state.peer or state.lease_id is None or self.copy[plan.device].staged
-                or self.closed):
+        if not self._in_place or state.lease_id is None or self.copy[plan.device].staged or self.closed:
             return None
         client = self.clients.get(state.address)
         slots = client.claim_slots(state.lease_id) if client is not None else None
@@ -577,7 +586,7 @@ class WorkerSide:
             done = False
         if not done:
             return None
-        self._landed_in_place(state, plan, client, started, posted=False)
+        self._landed_in_place(state, plan, client, started, posted=False, ends=not slots.received)
         return CompletedTransfer()
 
     def _row_run(self, plan: TransferPlan) -> RowRun | None:
@@ -616,7 +625,7 @@ class WorkerSide:
                 self._copies.discard(held.pop())
             error = None if done.cancelled() else done.exception()
             if not done.cancelled() and error is None and done.result():
-                self._landed_in_place(state, plan, client, started, posted=True)
+                self._landed_in_place(state, plan, client, started, posted=True, ends=not slots.received)
                 if future.set_running_or_notify_cancel():
                     future.set_result(finish())
                 return
@@ -659,19 +668,20 @@ class WorkerSide:
         reading.add_done_callback(report)
 
     def _landed_in_place(self, state: LeaseState, plan: TransferPlan, client: NodeClient, started: float, *,
-                         posted: bool) -> None:
+                         posted: bool, ends: bool) -> None:
         """Any thread: a load copied without the loop thread landed: its lease ends soon, and it is counted.
 
         ``posted``: the load was counted in ``loads`` when it was posted to the copy threads.
+        ``ends``: the lease is still the node's to end (not where it sent the blocks with its answer).
         """
-        if client.end_later(state.lease_id):  # type: ignore[arg-type]
+        if ends and client.end_later(state.lease_id):  # type: ignore[arg-type]
             self.call_soon(client.flush_ends_soon)
         sched = self.sched
         sched.budget.give_back_lease(state.address, state.lease_id)  # type: ignore[arg-type]
         sched.count(loads=int(not posted), loads_in_place=1, blocks_loaded=plan.block_count,
                     bytes_loaded=plan.nbytes)
-        sched.observe_load(False, time.perf_counter() - started)
-        sched.add_metrics(h2d_bytes_copied=plan.nbytes)
+        sched.observe_load(state.peer, time.perf_counter() - started)
+        sched.add_metrics(h2d_bytes_copied=plan.nbytes, dkv_peer_loads=int(state.peer))
 
     def _claim_slots(self, state: LeaseState) -> LeaseSlots | None:
         """Loop thread, first thing in a load: take its lease's slot map, and count the load as begun. Never raises.

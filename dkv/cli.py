@@ -149,6 +149,7 @@ def serve(
     max_unauthenticated: Annotated[int, typer.Option(help="Connections still in their handshake at once; beyond, new ones are refused (busy).")] = 64,
     idle_timeout: Annotated[float, typer.Option(help="Seconds a connection may sit idle; then it is closed once it holds nothing live (clients reconnect by themselves).")] = 60.0,
     max_cost: Annotated[int, typer.Option(help="Hashes x leaves x shards one lookup, probe or touch may cost; more is refused (clients split unleased ones).")] = 16384,
+    max_lookup_payload: Annotated[str, typer.Option(help="Block bytes a leased lookup's answer may carry for a client that asks (its load then needs no round trip); 0: never.")] = "1MiB",
     etcd: Annotated[Optional[str], typer.Option(help="etcd endpoints URL[,URL...]: join a cluster (membership + directory).")] = None,
     cluster: Annotated[str, typer.Option(help="Cluster name (etcd keys live under PREFIX/CLUSTER/).")] = "default",
     etcd_prefix: Annotated[str, typer.Option(help="etcd key prefix.")] = "/dkv",
@@ -189,6 +190,7 @@ def serve(
             max_unauthenticated=max_unauthenticated,
             idle_timeout=idle_timeout,
             max_cost=max_cost,
+            max_lookup_payload=parse_size(max_lookup_payload),
             **({"node_id": node_id} if node_id else {}),
         )
         cluster_config = None

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
 import logging
 import operator
 import os
@@ -62,7 +63,7 @@ from dkv.keys import (MAX_TP_SHARDS, BlockKey, check_hashes, check_leaf, check_n
                       plain_hashes)
 from dkv.store import WRITE
 from dkv.handover import redeem
-from dkv.lease_slots import LeaseSlots, RowRun
+from dkv.lease_slots import LeaseSlots, ReceivedBlocks, RowRun
 from dkv.local_channel import StreamConnection, connect_local
 from dkv.transport import Connection, connect, hold_transport, progress_now, release_transport
 from dkv.units import parse_address
@@ -92,6 +93,9 @@ WIRE_LIMITS = {"max_keys": MAX_KEYS, "max_frame": MAX_FRAME, "max_leaves": MAX_L
 SMALL_REQUEST_KEYS = 1024  # this many keys (64-char leaves, 32-byte hashes) take under 128 KiB on the wire
 SMALL_FRAME = 256 * 1024  # a node whose frames are at least this large takes them in one request
 MAX_REMEMBERED_LEASES = 4096  # slot maps kept for loads to come (a lease past these loads in two steps)
+# block bytes a client holds at most that nodes sent with lookups' answers and no load has taken yet
+# (a lookup asks for no more than the room left; the oldest are dropped first, as slot maps are)
+MAX_RECEIVED_BYTES = 64 << 20
 LEASE_CLOCK_MARGIN = 0.5  # a same-host copy starts at least this long before the node's lease TTL runs out
 END_FLUSH_DELAY = 0.05  # a loaded lease no lookup ended by then is ended by an ``end`` request of its own
 DIRECT_RETRY_AFTER = 1.0  # seconds before another attempt to open a direct channel (see NodeClient.want_direct)...
@@ -119,6 +123,11 @@ class LookupResult:
 
     masks: dict[str, list[bool]]
     lease_id: int | None
+    # the node sent the leased blocks' bytes with the answer (see lookup's ``send``): this client holds them
+    # for the lease's load, and the node ended the lease
+    received: bool = False
+    # of those, the blocks that failed their checksum: reported absent, nothing of them kept
+    rejected: int = 0
 
 
 @dataclass(frozen=True)
@@ -248,6 +257,7 @@ class NodeClient:
         self._lock = threading.Lock()
         self._group_leases: dict[int, int] = {}  # group -> its latest lease with a slot map
         self._lease_slots: dict[int, LeaseSlots] = {}  # same-host leases' slot maps, until their load (bounded)
+        self._received_bytes = 0  # held in _lease_slots' received blocks (see MAX_RECEIVED_BYTES)
         self._ends: list[int] = []  # leases loaded from on the same-host path, to end with the next request
         self._flush_asked = False  # a flush of _ends is asked for and has not run (see end_later)
         self._direct: _Session | None = None  # the direct channel, once opened (see open_direct)
@@ -257,6 +267,7 @@ class NodeClient:
         self._end_timer: asyncio.TimerHandle | None = None
         self._background: set[asyncio.Future[Any]] = set()  # owned: cancelled by close()
         self.fast_reads = 0  # reads served in one round trip (copied under the lookup's lease)
+        self.lookups_with_payload = 0  # leased lookups answered with their blocks' bytes (see lookup's send)
 
     # ---- connection pool ------------------------------------------------------------------
 
@@ -549,15 +560,26 @@ class NodeClient:
         return [await self._request(message, idempotent=True) for _, message in requests]
 
     async def lookup(self, hashes: Sequence[bytes], leaves: Sequence[str], shards: int = 1, *,
-                     lease: bool = True, group: int = 0) -> LookupResult:
+                     lease: bool = True, group: int = 0, send: int = 0) -> LookupResult:
         """Presence per leaf; with ``lease``, the node pins what it reports (ends the previous lease of ``group``).
 
         A leased lookup is one request (one lease): more hashes than the node's
         ``max_keys``, more leaves than its ``max_leaves``, or a request over its
         ``max_frame`` is refused with ``ValueError`` before anything is sent.
         An unleased one is split like :meth:`probe`.
+
+        ``send``: on the listener path, with checksums on, ask the node to
+        send the leased blocks' bytes with its answer when they come to at
+        most this many (and the room left of ``MAX_RECEIVED_BYTES``). Each is
+        checked against its checksum as it lands and kept for the lease's
+        :meth:`read`, which then copies them with no request. A block that
+        fails is reported absent (its hash, in its leaf: presence needs every
+        shard), counted in the result's ``rejected`` and logged; the node
+        ended the lease when it sent them. The node decides: a lease it did
+        not send with is read the two-step way. See :mod:`dkv.wire`.
         """
-        requests = await self._presence_requests("lookup", hashes, leaves, shards, lease=lease, group=group)
+        extra = {"send": send} if lease and send > 0 else {}
+        requests = await self._presence_requests("lookup", hashes, leaves, shards, lease=lease, group=group, **extra)
         if lease and len(requests) > 1:
             raise ValueError(self._unsplittable("a leased lookup", len(hashes), len(leaves), shards))
         if lease:
@@ -570,10 +592,15 @@ class NodeClient:
         return LookupResult(masks, lease_id)
 
     async def _leased_lookup(self, session: _Session, message: dict[str, Any]) -> LookupResult:
-        """One leased lookup on ``session``; on the same-host path it also learns where the blocks lie."""
+        """One leased lookup on ``session``; on the same-host path it also learns where the blocks lie.
+
+        Where the node sends the blocks' bytes with its answer, they are received here.
+        """
         message, mapping = self._leased_request(session, message)
         sent_at = time.monotonic()
         reply = await session.request(message, self.timeout)
+        if "sent" in reply:
+            return await self._receive_sent(session, message, reply)
         return self._leased_answer(message, mapping, reply, sent_at)
 
     def _leased_request(self, session: _Session, message: dict[str, Any]) -> tuple[dict[str, Any], SegmentMapping | None]:
@@ -581,6 +608,9 @@ class NodeClient:
 
         The group's previous lease ends with this lookup on the node, so its
         slot map is forgotten here: its load must be refused, not copied.
+        Bytes sent with the answer (``send``) are asked for only where no
+        slot map is, with checksums on, within the room left of
+        ``MAX_RECEIVED_BYTES``.
         """
         mapping = self._arena(session)
         if mapping is None or not self.checksums:  # copies are proven by their checksums: see dkv.lease_slots
@@ -590,8 +620,70 @@ class NodeClient:
         with self._lock:
             previous = self._group_leases.pop(message["group"], None)
             if previous is not None:
-                self._lease_slots.pop(previous, None)
+                self._forget_slots_locked(previous)
+            room = MAX_RECEIVED_BYTES - self._received_bytes
+        if "send" in message:
+            distinct = len(set(message["leaves"])) == len(message["leaves"])  # (the blocks' order names each once)
+            send = min(message["send"], room) if mapping is None and self.checksums and distinct else 0
+            message = {**message, "send": send} if send > 0 else {k: v for k, v in message.items() if k != "send"}
         return message, mapping
+
+    async def _receive_sent(self, session: _Session, message: dict[str, Any], reply: dict[str, Any]) -> LookupResult:
+        """A leased lookup answered with its blocks' bytes: receive and check them, keep them for the lease's load.
+
+        The reply's ``sent`` is checked against the request (one size and
+        checksum per leased block, no more bytes than asked for) before a
+        receive is posted; :class:`ProtocolError` otherwise, with the
+        connection aborted (the node's payload would have nothing to meet it).
+        A block that fails its checksum is reported absent (see :meth:`lookup`).
+        """
+        hashes, shards, leaves = message["hashes"], message["shards"], message["leaves"]
+        masks = _unpack_masks(reply["masks"], len(hashes))
+        lease_id = reply.get("lease")
+        sent = reply["sent"]
+        sizes = sent.get("sizes") if isinstance(sent, dict) else None
+        sums = sent.get("sums") if isinstance(sent, dict) else None
+        if set(masks) == set(leaves):
+            masks = {leaf: masks[leaf] for leaf in leaves}  # the order the blocks come in
+            places = [(leaf, i) for leaf in leaves for i in itertools.compress(range(len(hashes)), masks[leaf])]
+        else:
+            places = []
+        count = len(places) * shards
+        if (lease_id is None or not places or not isinstance(sizes, list) or not isinstance(sums, list)
+                or len(sizes) != count or len(sums) != count or not _byte_counts(sizes)
+                or not all(map(is_checksum, sums)) or sum(sizes) > message.get("send", 0)):
+            session.conn.abort()
+            raise ProtocolError("a lookup's answer names blocks it sends that do not match the request")
+        buffer = bytearray(sum(sizes))
+        whole = memoryview(buffer)
+        views, at = [], 0
+        for size in sizes:
+            views.append(whole[at:at + size])
+            at += size
+        verdicts = [False] * count
+
+        def check(start: int, stop: int) -> None:  # as each run lands, while the rest arrives (as a read's blocks)
+            for k in range(start, stop):
+                leaf, i = places[k // shards]
+                verdicts[k] = checksum_matches(leaf, k % shards, hashes[i], views[k], sums[k])
+
+        await session.conn.recv_payloads(views, self.timeout, check, sent.get("groups"))
+        if 0 in sizes:  # an empty block travels in no message: checked here
+            check(0, count)
+        slots = LeaseSlots.received_with_lookup(ReceivedBlocks(buffer), hashes, shards, masks, sizes, sums, verdicts)
+        rejected = verdicts.count(False)
+        if rejected:
+            for k in itertools.compress(range(count), map(operator.not_, verdicts)):
+                leaf, i = places[k // shards]
+                masks[leaf][i] = False
+            leaf, i = places[verdicts.index(False) // shards]
+            log.warning("%d of %d block(s) %s sent with a lookup's answer do not match their checksum (first: "
+                        "leaf %r, hash %s): corrupted or substituted, reported absent", rejected, count,
+                        self.address, leaf, hashes[i].hex())
+        with self._lock:
+            self.lookups_with_payload += 1
+        self._remember_slots(lease_id, message["group"], slots)
+        return LookupResult(masks, lease_id, received=True, rejected=rejected)
 
     def _leased_answer(self, message: dict[str, Any], mapping: SegmentMapping | None, reply: dict[str, Any],
                        sent_at: float) -> LookupResult:
@@ -608,12 +700,22 @@ class NodeClient:
     def _remember_slots(self, lease_id: int, group: int, slots: LeaseSlots) -> None:
         """Keep a lease's slot map for its load (bounded: the oldest are forgotten, their loads take two steps)."""
         with self._lock:
+            self._forget_slots_locked(lease_id)
             self._lease_slots[lease_id] = slots
+            if slots.received:
+                self._received_bytes += slots.mapping.size
             self._group_leases[group] = lease_id
-            while len(self._lease_slots) > MAX_REMEMBERED_LEASES:
-                self._lease_slots.pop(next(iter(self._lease_slots)))
+            while len(self._lease_slots) > MAX_REMEMBERED_LEASES or self._received_bytes > MAX_RECEIVED_BYTES:
+                self._forget_slots_locked(next(iter(self._lease_slots)))
             while len(self._group_leases) > MAX_REMEMBERED_LEASES:
                 self._group_leases.pop(next(iter(self._group_leases)))
+
+    def _forget_slots_locked(self, lease_id: int) -> LeaseSlots | None:
+        """Under ``_lock``: take ``lease_id``'s slot map out of the book (its received bytes no longer count)."""
+        slots = self._lease_slots.pop(lease_id, None)
+        if slots is not None and slots.received:
+            self._received_bytes -= slots.mapping.size
+        return slots
 
     # ---- the direct channel (same-host leased lookups on the calling thread) ----------------------
 
@@ -814,7 +916,7 @@ class NodeClient:
         proof whatever the node did to the lease meanwhile.
         """
         with self._lock:
-            return self._lease_slots.pop(lease_id, None)
+            return self._forget_slots_locked(lease_id)
 
     def _take_ends(self) -> list[int]:
         """The loaded leases the next request ends (at most ``MAX_ENDS``); they leave the queue."""
@@ -912,8 +1014,15 @@ class NodeClient:
         return sum(int(reply["found"]) for reply in replies)
 
     async def release(self, lease_id: int) -> bool:
-        """End a lease (abandon). Returns False when the node no longer held it."""
-        self._lease_slots.pop(lease_id, None)
+        """End a lease (abandon). Returns False when the node no longer held it.
+
+        A lease whose blocks the node sent with its lookup's answer ended
+        then: its bytes are dropped here, and nothing is sent.
+        """
+        with self._lock:
+            slots = self._forget_slots_locked(lease_id)
+        if slots is not None and slots.received:
+            return False
         return bool((await self._request({"op": "release", "lease": lease_id}, idempotent=True))["released"])
 
     async def stats(self) -> dict[str, Any]:
@@ -953,11 +1062,12 @@ class NodeClient:
             raise ValueError("read: one destination per key")
         views = [_byte_view(d) for d in dests]
         if slots is None:
-            slots = self._lease_slots.pop(lease_id, None) if end_lease else self._lease_slots.get(lease_id)
+            with self._lock:
+                slots = self._forget_slots_locked(lease_id) if end_lease else self._lease_slots.get(lease_id)
         # a lease this client knows ended (its TTL, a later lookup of its group, a release) loads the two-step
         # way, which the node refuses; a copy under a lease ended by anything else fails its checksums
         if slots is not None and self._may_copy(slots) and await slots.copy(keys, views):
-            if end_lease:
+            if end_lease and not slots.received:  # (the node ended a lease it sent the blocks of)
                 self._end_soon(lease_id)
             self._count_fast_read()
             return
@@ -1205,6 +1315,7 @@ class NodeClient:
             self._lost(direct)
         with self._lock:
             self._lease_slots.clear()
+            self._received_bytes = 0
         sessions, self._idle = self._idle, []
         await asyncio.gather(*(s.conn.close() for s in sessions), return_exceptions=True)
         if self._mapping is not None:
@@ -1293,6 +1404,11 @@ def _identity(fd: int) -> tuple[int, int]:
 def _merge_masks(into: dict[str, list[bool]], part: dict[str, list[bool]]) -> None:
     for leaf, mask in part.items():
         into.setdefault(leaf, []).extend(mask)
+
+
+def _byte_counts(values: list[Any]) -> bool:
+    """Whether every value is a plain int from 0 to 2**40 (block sizes on the wire)."""
+    return all(type(v) is int and 0 <= v <= 1 << 40 for v in values)
 
 
 def _sums_for(sums: Any, count: int) -> list[Any]:

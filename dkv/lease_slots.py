@@ -90,12 +90,38 @@ class RowRun(NamedTuple):
     row_bytes: int
 
 
+class ReceivedBlocks:
+    """Block bytes a node sent with a leased lookup's answer, held in this process (see :mod:`dkv.wire`, ``send``).
+
+    What a :class:`LeaseSlots` copies from in place of a mapped segment: the
+    blocks back to back, in the order the node sent them. Nothing else
+    writes into it once the lookup has returned.
+    """
+
+    __slots__ = ("view", "size")
+
+    def __init__(self, buffer: bytearray) -> None:
+        self.view = memoryview(buffer)
+        self.size = len(buffer)
+
+    def slot(self, offset: int, nbytes: int) -> memoryview:
+        if offset < 0 or offset + nbytes > self.size:
+            raise ValueError(f"slot [{offset}, {offset + nbytes}) outside the received blocks")
+        return self.view[offset : offset + nbytes]
+
+
 class LeaseSlots:
-    """A leased lookup's slot map for one mapping (built from the node's reply; see module docstring)."""
+    """A leased lookup's slot map for one mapping (built from the node's reply; see module docstring).
+
+    Or, where ``mapping`` is :class:`ReceivedBlocks`, the map of the bytes a
+    node sent with the lookup's answer (:meth:`received_with_lookup`): the
+    node ended that lease when it sent them, so there is no lease to end or
+    outlive, and the copy is checked against the checksums all the same.
+    """
 
     __slots__ = ("mapping", "shards", "live_until", "_hashes", "_index", "_slots")
 
-    def __init__(self, mapping: SegmentMapping, hashes: Sequence[bytes], shards: int, raw: Any, *,
+    def __init__(self, mapping: SegmentMapping | ReceivedBlocks, hashes: Sequence[bytes], shards: int, raw: Any, *,
                  live_until: float) -> None:
         """Parse the reply's ``slots``; :class:`ProtocolError` when they do not match the request.
 
@@ -121,6 +147,41 @@ class LeaseSlots:
         self._hashes = hashes if type(hashes) is list else list(hashes)  # compared with lists (_plan_prefix)
         self._index: dict[bytes, int] | None = None  # built on first use: most lookups are never loaded
         self._slots = slots
+
+    @classmethod
+    def received_with_lookup(cls, blocks: ReceivedBlocks, hashes: Sequence[bytes], shards: int,
+                             masks: dict[str, list[bool]], sizes: Sequence[int], sums: Sequence[bytes],
+                             good: Sequence[bool]) -> LeaseSlots:
+        """The map of ``blocks``, sent with a lookup's answer in the wire's order: leaf by leaf as ``masks`` has
+        them, hash by hash where the leaf's mask was set when they were sent, shard by shard (``sizes``,
+        ``sums`` and ``good`` in that order).
+
+        A block not ``good`` (it failed its checksum as it landed) is in the
+        map as a block the lease does not hold: a copy of it is refused.
+        """
+        count = len(hashes) * shards
+        starts = np.zeros(len(sizes) + 1, dtype=np.int64)
+        np.cumsum(np.asarray(sizes, dtype=np.int64), out=starts[1:])
+        starts[:-1][~np.asarray(good, dtype=bool)] = -1
+        packed_sums = np.frombuffer(b"".join(sums), dtype=_CHECKSUM) if sums else np.empty(0, dtype=_CHECKSUM)
+        raw: dict[str, list[bytes]] = {}
+        at = 0
+        for leaf, mask in masks.items():
+            rows = np.flatnonzero(np.asarray(mask, dtype=bool))
+            places = (rows[:, None] * shards + np.arange(shards)).ravel()  # hash by hash, shard by shard
+            offsets = np.full(count, -1, dtype=np.int64)
+            slot_sizes = np.zeros(count, dtype=np.int64)
+            leaf_sums = np.zeros(count, dtype=_CHECKSUM)
+            taken = slice(at, at + len(places))
+            offsets[places], slot_sizes[places], leaf_sums[places] = starts[taken], sizes[taken], packed_sums[taken]
+            at += len(places)
+            raw[leaf] = [offsets.tobytes(), slot_sizes.tobytes(), leaf_sums.tobytes()]
+        return cls(blocks, hashes, shards, raw, live_until=float("inf"))
+
+    @property
+    def received(self) -> bool:
+        """Whether these are bytes the node sent with the lookup's answer (it ended the lease then: nothing to end)."""
+        return isinstance(self.mapping, ReceivedBlocks)
 
     def _plan(self, keys: Sequence[Any], sizes: Sequence[int]) -> tuple[list[int], bytes] | None:
         """Each key's slot offset, and their checksums packed in key order; ``None`` when any key cannot be copied this way.

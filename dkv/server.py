@@ -47,6 +47,7 @@ from dkv.store import (
     DEFAULT_MAX_LEASES,
     DEFAULT_MAX_LEASES_PER_TENANT,
     DEFAULT_RESERVATION_TTL,
+    ReadPlan,
     Store,
     StoreKey,
     Use,
@@ -84,6 +85,8 @@ IDLE_SCAN_INTERVAL = 1.0  # how often idle connections are looked for
 # Touch and probe work through it in chunks of this cost, letting other connections in between.
 YIELD_COST = 2048
 COSTED_OPS = frozenset({"lookup", "probe", "touch"})
+# the most blocks a leased lookup's answer carries the bytes of (see NodeServer._read_to_send)
+MAX_LOOKUP_PAYLOAD_KEYS = 1024
 # Ops after whose reply the leases in "ends" are stamped as used (they end before the op, as always): a
 # lookup answers sooner by the stamps' cost (~0.15 ms per 256 blocks). Other requests do not see the
 # difference: the stamps follow the reply's send with no await between. If the send has to wait (a full
@@ -130,6 +133,8 @@ class NodeConfig:
     max_unauthenticated: int = 64  # connections still in their handshake (each within HANDSHAKE_TIMEOUT)
     idle_timeout: float = 60.0  # an authenticated connection idle this long, holding nothing live, is closed
     max_cost: int = 16384  # hashes x leaves x shards of one lookup, probe or touch (see YIELD_COST)
+    # the most block bytes a leased lookup's answer may carry, for a client that asks (``send``); 0: never
+    max_lookup_payload: int = 1 << 20
     verify_writes: bool = True  # check each written block's declared checksum before it becomes visible
 
     def validate(self) -> None:
@@ -160,6 +165,8 @@ class NodeConfig:
                 raise ConfigError(f"{name} must be at least 1, not {value}")
         if self.idle_timeout <= 0:
             raise ConfigError(f"idle_timeout must be positive, not {self.idle_timeout}")
+        if self.max_lookup_payload < 0:
+            raise ConfigError(f"max_lookup_payload must not be negative, not {self.max_lookup_payload}")
         if self.max_cost < MAX_TP_SHARDS:
             raise ConfigError(f"max_cost must be at least {MAX_TP_SHARDS} (one hash of one leaf with every shard)")
 
@@ -233,6 +240,7 @@ class NodeServer:
         self._closed = False
         self.errors_by_code: dict[str, int] = {}
         self.ops: dict[str, int] = {}
+        self.lookup_payloads = 0  # leased lookups answered with their blocks' bytes (see _op_lookup)
         self._refusing = 0  # connections in _peers being refused at a cap
         self._authenticating: set[str] = set()  # conn_owner of connections still in their handshake
         self._credential_conns: dict[str, int] = {}  # authenticated connections per credential name
@@ -676,7 +684,13 @@ class NodeServer:
         return [StoreKey(peer.namespace, k[0], k[1], k[2]) for k in raw_keys]
 
     async def _op_lookup(self, peer: _Peer, req: dict[str, Any]) -> None:
-        """Presence masks, and with ``lease`` a lease; spilled blocks are read back off the event loop first."""
+        """Presence masks, and with ``lease`` a lease; spilled blocks are read back off the event loop first.
+
+        A leased lookup that asks for its blocks' bytes (``send``, see
+        :mod:`dkv.wire`) gets them after its answer when they come to at most
+        that many bytes and ``max_lookup_payload``: a read of every leased
+        block, which ends the lease (:meth:`_send_with_lookup`).
+        """
         promoted = None
         if req["lease"] and self._disk_worker is not None:
             promoted = await self._disk_worker.promotions(peer.namespace, req["hashes"], req["leaves"], req["shards"])
@@ -689,8 +703,51 @@ class NodeServer:
         extra = {}
         if lease is not None and slot_map:  # one round trip per load: where the leased blocks lie
             extra["slots"] = {leaf: list(packed) for leaf, packed in slot_map.items()}  # packed by the store
-        await self._reply(peer, masks=_pack_masks(masks), lease=lease.lease_id if lease else None,
+        packed = _pack_masks(masks)
+        if lease is not None and req.get("send") and not slot_map:
+            read = self._read_to_send(peer, req, masks, lease.lease_id)
+            if read is not None:
+                await self._send_with_lookup(peer, read, masks=packed, lease=lease.lease_id,
+                                             ttl=self.config.lease_ttl)
+                return
+        await self._reply(peer, masks=packed, lease=lease.lease_id if lease else None,
                           ttl=self.config.lease_ttl, **extra)
+
+    def _read_to_send(self, peer: _Peer, req: dict[str, Any], masks: dict[str, list[bool]],
+                      lease_id: int) -> ReadPlan | None:
+        """A read of every block ``lease_id`` holds, in the order the client expects them; ``None`` when not sent.
+
+        The order: leaf by leaf as asked, hash by hash where the leaf's mask
+        is set, shard by shard. Not sent (the read ended again at once): more
+        than ``send`` or ``max_lookup_payload`` bytes, more than
+        ``MAX_LOOKUP_PAYLOAD_KEYS`` blocks, or a block stored without a
+        checksum (the client could not check what it received).
+        """
+        limit = min(req["send"], self.config.max_lookup_payload)
+        hashes, shards = req["hashes"], req["shards"]
+        count = sum(map(sum, masks.values())) * shards
+        if not limit or not count or count > MAX_LOOKUP_PAYLOAD_KEYS:
+            return None
+        namespace = peer.namespace
+        keys = [StoreKey(namespace, leaf, shard, h)
+                for leaf in req["leaves"] for h in itertools.compress(hashes, masks[leaf]) for shard in range(shards)]
+        read = self.store.begin_read(lease_id, peer.client_owner, keys, reader=peer.conn_owner)
+        if sum(read.sizes) > limit or None in read.checksums:
+            self.store.end_read(read.read_id)
+            return None
+        self.store.end_lease(lease_id)  # from here only the read's pins hold the slots, as a read that ends it
+        return read
+
+    async def _send_with_lookup(self, peer: _Peer, read: ReadPlan, **answer: Any) -> None:
+        """The lookup's ``answer`` with what ``read`` sends (``sent``), then its blocks' bytes; the read ends here."""
+        try:
+            plan, offsets, sizes = self._payload_plan(read)
+            await self._reply(peer, **answer, sent={"sizes": read.sizes, "sums": read.checksums,
+                                                    "groups": plan_groups(plan)})
+            await self._send_payloads(peer, plan, offsets, sizes)
+            self.lookup_payloads += 1
+        finally:
+            self.store.end_read(read.read_id)
 
     def _end_used(self, peer: _Peer, lease_ids: Any) -> list[Use]:
         """End leases whose blocks the client copied itself (same-host loads); their stamps, for :meth:`_stamp_used`.
@@ -781,18 +838,29 @@ class NodeServer:
             self.traffic["out"]["local"] += sum(sizes)
             return  # the client copies from the shared arena, then sends done
         try:
-            if all(sizes):
-                offsets, held_sizes = read.offsets, sizes
-            else:
-                offsets = [o for o, n in zip(read.offsets, sizes) if n]
-                held_sizes = [n for n in sizes if n]
-            plan = payload_plan(held_sizes, offsets)  # back-to-back slots join
+            plan, offsets, held_sizes = self._payload_plan(read)
             await self._reply(peer, sizes=sizes, sums=sums, groups=plan_groups(plan))
-            buffers, counts = self._payload_buffers(peer.namespace, plan, offsets, held_sizes)
-            await peer.conn.send_payloads(buffers, self.config.op_timeout, counts)
-            self.traffic["out"]["listener"] += sum(sizes)
+            await self._send_payloads(peer, plan, offsets, held_sizes)
         finally:
             self.store.end_read(read.read_id)
+
+    @staticmethod
+    def _payload_plan(read: ReadPlan) -> tuple[list[tuple[int, int]], list[int], list[int]]:
+        """How a listener read's blocks travel: its messages (back-to-back slots join), and the non-empty blocks' offsets and sizes."""
+        sizes = read.sizes
+        if all(sizes):
+            offsets, held_sizes = read.offsets, sizes
+        else:
+            offsets = [o for o, n in zip(read.offsets, sizes) if n]
+            held_sizes = [n for n in sizes if n]
+        return payload_plan(held_sizes, offsets), offsets, held_sizes
+
+    async def _send_payloads(self, peer: _Peer, plan: list[tuple[int, int]], offsets: list[int],
+                             sizes: list[int]) -> None:
+        """Send a listener read's blocks as ``plan`` cuts them, straight from their slots where they lie back to back."""
+        buffers, counts = self._payload_buffers(peer.namespace, plan, offsets, sizes)
+        await peer.conn.send_payloads(buffers, self.config.op_timeout, counts)
+        self.traffic["out"]["listener"] += sum(sizes)
 
     def _payload_buffers(self, namespace: str, plan: list[tuple[int, int]], offsets: list[int],
                          sizes: list[int]) -> tuple[list[memoryview], list[int]]:
@@ -926,6 +994,7 @@ class NodeServer:
             "stuck_connections_reset": self._listener.stuck_connections_reset if self._listener is not None else 0,
             "clients": len(self._client_conns),
             "ops": dict(self.ops),
+            "lookups_with_payload": self.lookup_payloads,
             "bytes": {direction: dict(paths) for direction, paths in self.traffic.items()},  # by direction, path
             "errors": dict(self.errors_by_code),
             "counters": vars(store.counters).copy(),

@@ -67,6 +67,21 @@ a request that runs while that send waits sees those blocks' previous
 stamps, which can change eviction order only). A client with no request to send soon
 sends an empty ``end`` op to carry them.
 
+One round trip per small listener load: a leased ``lookup`` may ask for
+its blocks' bytes with ``"send": N``. Where the leased blocks come to at
+most N bytes (and the node's ``max_lookup_payload``; at most 1,024 blocks,
+each stored with a checksum) and the connection was not handed its segment,
+the node reads every leased block as a ``read`` with ``end`` would (its own
+pins; the lease ends at once) and answers with ``"sent": {"sizes": [...],
+"sums": [...], "groups": [...]}`` besides the masks, lease id and TTL, then
+sends the blocks as a ``read`` reply's payload. Their order: leaf by leaf as
+asked, hash by hash where that leaf's mask is set, shard by shard. The client
+checks every block against its checksum as it lands and keeps the bytes for
+the lease's load, which then copies them without asking the node; the lease
+id names that load, and the node holds nothing for it any more (a
+``release`` of it is not sent). Otherwise the answer is a plain one (no
+``sent``) and the load reads the two-step way.
+
 Reads pin for themselves: a ``read`` takes its own pins on its blocks (and,
 with ``end``, ends its lease at once), held until the bytes have left. On the
 listener path that is when the node's sends finish; on the same-host path
@@ -305,7 +320,8 @@ SCHEMAS: dict[str, dict[str, Callable[[object], bool]]] = {
     "hello": {"v": _int(0, 1 << 16), "ns": _namespace, "client": _short_str, "proof": _optional_bytes,
               "host": _short_str, "cnonce": lambda v: isinstance(v, bytes) and len(v) == NONCE_SIZE,
               "tenant": lambda v: v is None or (isinstance(v, str) and 0 < len(v) <= 64)},
-    "lookup": {**_PRESENCE, "lease": _is_bool, "group": _int(0, 1 << 20), "slots": optional(_is_bool)},
+    "lookup": {**_PRESENCE, "lease": _is_bool, "group": _int(0, 1 << 20), "slots": optional(_is_bool),
+               "send": optional(_int(0, MAX_FRAME))},  # send: the blocks' bytes with the answer, up to so many
     "probe": {**_PRESENCE, "tiers": optional(_is_bool)},  # tiers: also say host or disk per block
     "touch": _PRESENCE,
     "read": {"lease": _is_id, "keys": _keys, "end": _is_bool, "shm": _is_bool},

@@ -79,7 +79,8 @@ def test_a_load_from_a_node_that_stopped_answering_fails_counted_as_timeout(node
     writer = connectors(node.address, blocks=blocks)
     hashes = chain(2)
     offload_chain(writer, blocks, hashes)
-    reader = connectors(node.address, blocks=device_blocks(two_leaves()), timeout=1.0, local=False)  # reads ask the node
+    reader = connectors(node.address, blocks=device_blocks(two_leaves()), timeout=1.0, local=False,
+                        lookup_payload_bytes=0)  # reads ask the node (the lookup brings no bytes)
     reader.lookup(hashes)
     node.pause()
     try:

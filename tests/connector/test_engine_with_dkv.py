@@ -107,7 +107,7 @@ def test_peer_that_dies_mid_load_fails_the_transfer_and_the_engine_recomputes(no
     first.generate(PROMPT, NEW_TOKENS)
     assert first.drain(20)
     stalled = make_engine(connectors, source.address, wrap=lambda c: _DelayedLoads(c, source.pause), timeout=2.0,
-                          local=False)
+                          local=False, lookup_payload_bytes=0)  # the load reads from the node
     started = time.monotonic()
     try:
         result = stalled.generate(PROMPT, NEW_TOKENS)
@@ -116,3 +116,21 @@ def test_peer_that_dies_mid_load_fails_the_transfer_and_the_engine_recomputes(no
     assert result.stats.failed == 1, result.stats
     assert time.monotonic() - started < 30, "a dead peer costs a miss, never a stuck scheduler"
     assert_bit_exact(result, stalled.recompute_reference(PROMPT, NEW_TOKENS))
+
+
+def test_a_peer_that_dies_after_sending_the_blocks_with_its_answer_costs_the_load_nothing(
+        node_factory, connectors) -> None:
+    source = node_factory()
+    first = make_engine(connectors, source.address)
+    first.generate(PROMPT, NEW_TOKENS)
+    assert first.drain(20)
+    late = make_engine(connectors, source.address, wrap=lambda c: _DelayedLoads(c, source.kill), timeout=2.0,
+                       local=False)  # the prefix (9 blocks x 2 leaves) comes with the lookup's answer
+    try:
+        result = late.generate(PROMPT, NEW_TOKENS)
+    finally:
+        source.kill()
+    assert result.stats.failed == result.stats.refused == 0, result.stats
+    assert result.stats.connector_hit_blocks == 9 and result.stats.loaded_bytes > 0
+    assert late.connector.counters.loads_in_place == 1
+    assert_bit_exact(result, late.recompute_reference(PROMPT, NEW_TOKENS))

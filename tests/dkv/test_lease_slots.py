@@ -213,6 +213,37 @@ async def test_a_load_in_any_key_order_across_leaves_and_shards_gets_each_keys_o
     assert await slots.copy(keys, [memoryview(d) for d in dests]) is False
 
 
+async def test_blocks_sent_with_a_lookup_s_answer_are_mapped_in_the_wire_s_order_and_a_bad_one_is_not_copied() -> None:
+    hashes = [bytes([i + 1]) * 32 for i in range(4)]
+    shards = 2
+    masks = {"B": [True, False, True, True], "A": [False, True, True, False]}  # leaf order as asked: B, then A
+    sent, sizes, sums, good = [], [], [], []
+    for leaf, mask in masks.items():  # leaf by leaf, hash by hash where set, shard by shard
+        for i in (i for i, held in enumerate(mask) if held):
+            for shard in range(shards):
+                size = 1000 + 10 * len(sent)  # every block its own size and bytes
+                block = bytes([len(sent) + 1]) * size
+                sent.append(((leaf, shard, hashes[i]), block))
+                sizes.append(size)
+                sums.append(block_checksum(leaf, shard, hashes[i], block))
+                good.append(not (leaf == "B" and i == 2 and shard == 1))  # this one failed as it landed
+    buffer = bytearray(b"".join(block for _, block in sent))
+    slots = LeaseSlots.received_with_lookup(lease_slots.ReceivedBlocks(buffer), hashes, shards, masks, sizes, sums,
+                                            good)
+    assert slots.received and slots.live_until == float("inf")
+    order = list(range(len(sent)))
+    random.Random(3).shuffle(order)
+    keys = [sent[k][0] for k in order if good[k]]
+    dests = [bytearray(sizes[k]) for k in order if good[k]]
+    assert await slots.copy(keys, [memoryview(d) for d in dests]) is True
+    assert [bytes(d) for d in dests] == [sent[k][1] for k in order if good[k]]
+
+    bad = good.index(False)
+    assert await slots.copy([sent[bad][0]], [memoryview(bytearray(sizes[bad]))]) is False  # never copied
+    assert await slots.copy([("B", 0, hashes[1])], [memoryview(bytearray(sizes[0]))]) is False  # not sent
+    assert await slots.copy([("A", 0, hashes[0])], [memoryview(bytearray(sizes[0]))]) is False  # not sent
+
+
 def test_a_few_keys_are_planned_one_step_each_with_the_same_answer_as_the_array_passes() -> None:
     """Small loads skip numpy (``_plan_few``); on any keys, valid or not, both plans agree."""
     rng = random.Random(7)

@@ -53,6 +53,14 @@ def test_valid_lookup_passes() -> None:
     msg = decode_body(encode_body({"op": "lookup", "hashes": [b"x" * 32, b"y" * 8], "leaves": ["L"],
                                    "shards": 2, "lease": True, "group": 0}))
     assert check_request(msg) == "lookup"
+    assert check_request({**msg, "send": 1 << 20}) == "lookup"  # the blocks' bytes with the answer, up to so many
+
+
+@pytest.mark.parametrize("send", [-1, True, 1.5, "1MiB", MAX_FRAME + 1])
+def test_a_lookup_asking_for_its_bytes_with_a_bad_bound_is_refused(send: object) -> None:
+    with pytest.raises(ProtocolError, match="send"):
+        check_request({"op": "lookup", "hashes": [b"x" * 32], "leaves": ["L"], "shards": 1, "lease": True,
+                       "group": 0, "send": send})
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,197 @@
+"""A leased lookup that asks for its blocks' bytes (``send``) gets them with its answer: real node processes.
+
+The node reads every leased block as a read that ends the lease would, sends
+them after its answer, and holds nothing for the lease afterwards; the
+client checks each block as it lands and copies them for the lease's load
+with no request (see :mod:`dkv.wire`). Where the node does not send (more
+bytes than asked, a block without a checksum, the same-host path, a node
+that never sends), the load takes the two-step read as before.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+import dkv.client
+from dkv.client import NodeClient
+from dkv.errors import LeaseExpired, ProtocolError
+from dkv.keys import BlockKey
+from tests.conftest import node_stats
+
+BLOCK = 16 * 1024
+ASK = 1 << 20
+
+
+async def _store(client: Any, leaves: dict[str, list[bytes]], shards: int = 1) -> dict[BlockKey, bytes]:
+    """Write each leaf's hashes (every shard); returns every key with its bytes (sizes differ by leaf)."""
+    data = {}
+    for n, (leaf, hashes) in enumerate(leaves.items()):
+        for shard in range(shards):
+            for h in hashes:
+                data[BlockKey(leaf, shard, h)] = os.urandom(BLOCK + 512 * n)
+    result = await client.write(list(data), list(data.values()))
+    assert result.stored == len(data)
+    return data
+
+
+async def _read(reader: Any, lease_id: int, keys: list[BlockKey], data: dict[BlockKey, bytes]) -> None:
+    """Read ``keys`` under ``lease_id`` and check every byte."""
+    dests = [bytearray(len(data[k])) for k in keys]
+    await reader.read(lease_id, keys, dests)
+    assert [bytes(d) for d in dests] == [data[k] for k in keys]
+
+
+async def test_a_lookup_that_asks_gets_its_blocks_and_their_load_asks_nothing_more(node, clients) -> None:
+    writer = clients(node.address)
+    h = [os.urandom(32) for _ in range(5)]
+    # two leaves, two shards; "b" lacks h[1] and h[3] (not a prefix): the blocks come leaf by leaf,
+    # hash by hash where the mask is set, shard by shard
+    data = await _store(writer, {"a": h, "b": [h[0], h[2], h[4]]}, shards=2)
+    reader = clients(node.address, local=False)
+    found = await reader.lookup(h, ["a", "b"], 2, send=ASK)
+    assert found.received and found.rejected == 0
+    assert found.masks == {"a": [True] * 5, "b": [True, False, True, False, True]}
+    stats = await node_stats(node.address)
+    assert stats["lookups_with_payload"] == 1
+    assert stats["leases"] == 0 and stats["reads"] == 0 and stats["pinned_blocks"] == 0  # nothing held for it
+    reads_before = stats["ops"].get("read", 0)
+
+    keys = [k for k in data if not (k.leaf == "a" and k.hash == h[4])]
+    random.Random(7).shuffle(keys)  # any order, any subset of what the lease holds
+    await _read(reader, found.lease_id, keys, data)
+    assert reader.fast_reads == 1 and reader.lookups_with_payload == 1
+    stats = await node_stats(node.address)
+    assert stats["ops"].get("read", 0) == reads_before and stats["ops"].get("end", 0) == 0  # no request at all
+
+
+async def test_blocks_over_what_was_asked_for_are_not_sent_and_load_the_two_step_way(node, clients) -> None:
+    writer = clients(node.address)
+    h = [os.urandom(32) for _ in range(4)]
+    data = await _store(writer, {"a": h})
+    reader = clients(node.address, local=False)
+    found = await reader.lookup(h, ["a"], send=4 * BLOCK - 1)
+    assert not found.received and found.masks == {"a": [True] * 4}
+    stats = await node_stats(node.address)
+    assert stats["leases"] == 1 and stats["lookups_with_payload"] == 0 and stats["reads"] == 0
+    await _read(reader, found.lease_id, list(data), data)
+    stats = await node_stats(node.address)
+    assert stats["ops"]["read"] == 1 and reader.fast_reads == 0 and stats["leases"] == 0
+
+
+async def test_a_node_with_max_lookup_payload_zero_never_sends(node_factory, clients) -> None:
+    node = node_factory("--max-lookup-payload", "0")
+    writer = clients(node.address)
+    h = [os.urandom(32)]
+    data = await _store(writer, {"a": h})
+    reader = clients(node.address, local=False)
+    found = await reader.lookup(h, ["a"], send=ASK)
+    assert not found.received and (await node_stats(node.address))["leases"] == 1
+    await _read(reader, found.lease_id, list(data), data)
+
+
+async def test_blocks_stored_without_a_checksum_are_not_sent(node, clients) -> None:
+    writer = clients(node.address, checksums=False)
+    h = [os.urandom(32) for _ in range(2)]
+    await _store(writer, {"a": h})
+    reader = clients(node.address, local=False)
+    found = await reader.lookup(h, ["a"], send=ASK)
+    assert not found.received and found.masks == {"a": [True, True]}
+    stats = await node_stats(node.address)
+    assert stats["lookups_with_payload"] == 0 and stats["leases"] == 1 and stats["reads"] == 0
+    assert await reader.release(found.lease_id) is True
+
+
+async def test_a_reader_without_checksums_or_on_the_same_host_path_does_not_ask(node, clients) -> None:
+    writer = clients(node.address)
+    h = [os.urandom(32)]
+    data = await _store(writer, {"a": h})
+    for reader in (clients(node.address, local=False, checksums=False), clients(node.address, local=True)):
+        found = await reader.lookup(h, ["a"], send=ASK)
+        assert not found.received and found.masks == {"a": [True]}
+        await _read(reader, found.lease_id, list(data), data)
+    assert (await node_stats(node.address))["lookups_with_payload"] == 0
+
+
+async def test_releasing_a_lease_whose_blocks_came_with_the_answer_sends_nothing(node, clients) -> None:
+    writer = clients(node.address)
+    h = [os.urandom(32)]
+    await _store(writer, {"a": h})
+    reader = clients(node.address, local=False)
+    found = await reader.lookup(h, ["a"], send=ASK)
+    assert found.received
+    assert await reader.release(found.lease_id) is False  # the node ended it when it sent the blocks
+    assert (await node_stats(node.address))["ops"].get("release", 0) == 0
+    with pytest.raises(LeaseExpired):  # its bytes are gone with it: a read asks the node, which refuses
+        await reader.read(found.lease_id, [BlockKey("a", 0, h[0])], [bytearray(BLOCK)])
+
+
+async def test_the_bytes_a_client_holds_for_loads_to_come_are_bounded(node, clients, monkeypatch) -> None:
+    monkeypatch.setattr(dkv.client, "MAX_RECEIVED_BYTES", 3 * BLOCK)
+    writer = clients(node.address)
+    h = [os.urandom(32) for _ in range(4)]
+    data = await _store(writer, {"a": h})
+    reader = clients(node.address, local=False)
+    first = await reader.lookup(h[:2], ["a"], send=ASK, group=1)
+    assert first.received
+    second = await reader.lookup(h[2:], ["a"], send=ASK, group=2)  # room for one block: asks for one, gets none
+    assert not second.received
+    await _read(reader, first.lease_id, [BlockKey("a", 0, x) for x in h[:2]], data)  # its bytes leave the book
+    third = await reader.lookup(h[2:], ["a"], send=ASK, group=2)
+    assert third.received
+    await _read(reader, third.lease_id, [BlockKey("a", 0, x) for x in h[2:]], data)
+
+
+class _LyingConn:
+    def __init__(self) -> None:
+        self.aborted = False
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    async def recv_payloads(self, *args: Any, **kwargs: Any) -> None:
+        raise AssertionError("no receive may be posted for an answer that does not match its request")
+
+
+@pytest.mark.parametrize("sent", [
+    {"sizes": [BLOCK, BLOCK], "sums": [b"s" * 16] * 2, "groups": [2]},  # more bytes than asked for
+    {"sizes": [BLOCK], "sums": [b"s" * 16], "groups": [1]},  # fewer blocks than the masks say
+    {"sizes": [BLOCK, True], "sums": [b"s" * 16] * 2, "groups": [2]},  # not a size
+    {"sizes": [1, 1], "sums": [b"s" * 16, None], "groups": [2]},  # a block without a checksum
+    {"sizes": [1, 1], "sums": [b"s" * 15] * 2, "groups": [2]},  # not a checksum
+    ["not", "a", "map"],
+], ids=["too-many-bytes", "too-few-blocks", "bool-size", "no-checksum", "short-checksum", "not-a-map"])
+async def test_an_answer_whose_sent_blocks_do_not_match_the_request_is_a_protocol_error(sent: Any) -> None:
+    client = NodeClient("127.0.0.1:1", "ns")
+    conn = _LyingConn()
+
+    async def request(message: dict[str, Any], timeout: float) -> dict[str, Any]:
+        return {"ok": True, "masks": {"a": b"\x01\x01"}, "lease": 7, "ttl": 10.0, "sent": sent}
+
+    session = SimpleNamespace(mapping=None, conn=conn, request=request)
+    message = {"op": "lookup", "hashes": [b"h" * 32, b"i" * 32], "leaves": ["a"], "shards": 1, "lease": True,
+               "group": 0, "send": 2 * BLOCK - 1}
+    with pytest.raises(ProtocolError, match="do not match the request"):
+        await client._leased_lookup(session, message)  # noqa: SLF001
+    assert conn.aborted
+    assert client._lease_slots == {} and client._received_bytes == 0  # noqa: SLF001
+
+
+async def test_an_answer_with_sent_blocks_but_no_lease_is_a_protocol_error() -> None:
+    client = NodeClient("127.0.0.1:1", "ns")
+    conn = _LyingConn()
+
+    async def request(message: dict[str, Any], timeout: float) -> dict[str, Any]:
+        return {"ok": True, "masks": {"a": b"\x01"}, "lease": None, "ttl": 10.0,
+                "sent": {"sizes": [1], "sums": [b"s" * 16], "groups": [1]}}
+
+    session = SimpleNamespace(mapping=None, conn=conn, request=request)
+    message = {"op": "lookup", "hashes": [b"h" * 32], "leaves": ["a"], "shards": 1, "lease": True, "group": 0,
+               "send": ASK}
+    with pytest.raises(ProtocolError):
+        await client._leased_lookup(session, message)  # noqa: SLF001
+    assert conn.aborted
