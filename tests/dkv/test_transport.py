@@ -537,3 +537,27 @@ async def test_a_receive_that_times_out_holds_its_buffer_until_ucx_cancels_it_th
             await asyncio.sleep(0.01)
 
     await _run(check)
+
+
+@pytest.mark.parametrize("tls,rdma", [
+    ("rc,tcp", True), ("rc_x", True), ("dc_mlx5,tcp", True), ("ud", True),
+    ("tcp", False), ("tcp,sysv,posix,cma", False), ("sm,self", False),
+])
+def test_rdma_is_possible_where_ucx_tls_names_an_rdma_transport(monkeypatch, tls: str, rdma: bool) -> None:
+    monkeypatch.setenv("UCX_TLS", tls)
+    assert transport._rdma_possible() is rdma
+
+
+def test_small_messages_go_eagerly_unless_rdma_may_carry_them_or_the_operator_chose() -> None:
+    """A fresh interpreter: UCX_RNDV_THRESH as dkv.transport leaves it for UCX, for each environment."""
+    def threshold(**env: str) -> str:
+        clean = {k: v for k, v in os.environ.items() if k not in ("UCX_TLS", "UCX_RNDV_THRESH")}
+        out = subprocess.run([sys.executable, "-c", "import os, dkv.transport; print(os.environ.get('UCX_RNDV_THRESH'))"],
+                             env={**clean, **env}, capture_output=True, text=True, timeout=120, check=True)
+        return out.stdout.strip()
+
+    rdma_device = bool(os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband"))
+    assert (threshold() == "512k") is not rdma_device
+    assert threshold(UCX_TLS="tcp") == "512k"
+    assert threshold(UCX_TLS="rc,tcp") != "512k"  # ucxx's own default (8 KiB) stays
+    assert threshold(UCX_RNDV_THRESH="64k") == "64k"
