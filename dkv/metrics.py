@@ -41,6 +41,8 @@ NODE_METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "dkv_node_errors_total": ("counter", ("code",),
                               "Error replies and refusals, by code (busy, auth, lease_expired, protocol, ...)"),
     "dkv_node_lookups_total": ("counter", (), "Lookups (leased or not)"),
+    "dkv_node_lookups_with_payload_total": ("counter", (), "Leased lookups answered with their blocks' bytes "
+                                            "(their loads need no read)"),
     "dkv_node_blocks_hit_total": ("counter", ("tier",),
                                   "Blocks (hash x leaf x shard) lookups found, by the tier they came from"),
     "dkv_node_blocks_missed_total": ("counter", (), "Blocks (hash x leaf x shard) lookups did not find"),
@@ -133,6 +135,7 @@ class NodeCollector:
         yield f("dkv_node_requests_total", labels=[((op,), n) for op, n in sorted(server.ops.items())])
         yield f("dkv_node_errors_total", labels=[((code,), n) for code, n in sorted(server.errors_by_code.items())])
         yield f("dkv_node_lookups_total", c.lookups)
+        yield f("dkv_node_lookups_with_payload_total", server.lookup_payloads)
         yield f("dkv_node_blocks_hit_total", labels=[(("host",), c.blocks_hit_host), (("disk",), c.blocks_hit_disk)])
         yield f("dkv_node_blocks_missed_total", c.blocks_missed)
         yield f("dkv_node_bytes_total", labels=[((direction, path), n) for direction, paths in server.traffic.items()

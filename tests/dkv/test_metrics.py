@@ -103,7 +103,16 @@ async def test_counters_and_histograms_move_by_what_clients_did_on_both_paths(no
     stats = await node_stats(node.address)
     assert stats["bytes"] == {"in": {"local": 2 * BLOCK, "listener": 3 * BLOCK},
                               "out": {"local": 2 * BLOCK, "listener": 3 * BLOCK}}
-    check_conventions(last, "dkv_node_")
+    assert delta(last, before, "dkv_node_lookups_with_payload_total") == 0
+
+    sent = await remote.lookup(hashes, ["full"], send=3 * BLOCK)  # the bytes come with the answer
+    assert sent.received
+    await remote.read(sent.lease_id, keys, [bytearray(BLOCK) for _ in keys])  # copied here: no request
+    final = scrape(metrics)
+    assert delta(final, last, "dkv_node_lookups_with_payload_total") == 1
+    assert delta(final, last, "dkv_node_bytes_total", direction="out", path="listener") == 3 * BLOCK
+    assert delta(final, last, "dkv_node_requests_total", op="read") == 0
+    check_conventions(final, "dkv_node_")
 
 
 async def test_an_expired_lease_and_an_error_reply_are_counted(node_factory, clients) -> None:
