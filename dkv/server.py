@@ -726,8 +726,8 @@ class NodeServer:
         limit = min(req["send"], self.config.max_lookup_payload)
         hashes, shards = req["hashes"], req["shards"]
         count = sum(map(sum, masks.values())) * shards
-        if not limit or not count or count > MAX_LOOKUP_PAYLOAD_KEYS:
-            return None
+        if not limit or not count or count > MAX_LOOKUP_PAYLOAD_KEYS or self.store.leased_bytes(lease_id) > limit:
+            return None  # (a large lookup costs a sum of its blocks' sizes, not a read begun and ended)
         namespace = peer.namespace
         keys = [StoreKey(namespace, leaf, shard, h)
                 for leaf in req["leaves"] for h in itertools.compress(hashes, masks[leaf]) for shard in range(shards)]

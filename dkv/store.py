@@ -61,6 +61,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import operator
 import struct
 import time
 from array import array
@@ -107,6 +108,7 @@ class StoreKey(NamedTuple):
 
 
 TIER_ABSENT, TIER_HOST, TIER_DISK = 0, 1, 2  # where a block lies (:meth:`Store.tiers`)
+_SIZE = operator.attrgetter("size")
 
 
 @dataclass(slots=True)
@@ -807,6 +809,11 @@ class Store:
             live = [(block, depth) for block, depth in zip(held, depths) if blocks.get(block.key) is block]
             if live:
                 self._stamp_blocks([block for block, _ in live], [depth for _, depth in live])
+
+    def leased_bytes(self, lease_id: int) -> int:
+        """The bytes of the blocks lease ``lease_id`` pins (one its lookup named twice, twice); 0 when it is not held."""
+        lease = self.leases.get(lease_id)
+        return 0 if lease is None else sum(map(_SIZE, lease.blocks))
 
     def end_lease(self, lease_id: int) -> bool:
         """End a lease and unpin its blocks; False if it was not held. Idempotent."""

@@ -111,6 +111,17 @@ def test_back_to_back_lookups_release_the_first_lease(store: Store) -> None:
     assert all(b.pins == 0 for b in store.blocks.values())
 
 
+def test_a_lease_s_bytes_are_those_of_the_blocks_it_pins(store: Store) -> None:
+    hashes = chain(3)
+    put(store, keys(hashes[:2]), size=BLOCK)
+    put(store, keys(hashes[2:]), size=3 * BLOCK)
+    _, lease = store.lookup(NS, [*hashes, hashes[0], os.urandom(32)], ["L"], 1, owner="c")
+    assert lease is not None
+    assert store.leased_bytes(lease.lease_id) == 5 * BLOCK + BLOCK  # the repeated hash is pinned twice
+    store.end_lease(lease.lease_id)
+    assert store.leased_bytes(lease.lease_id) == 0
+
+
 def test_lookups_of_other_groups_keep_their_leases(store: Store) -> None:
     put(store, keys(chain(1)))
     store.lookup(NS, chain(1), ["L"], 1, owner="c", group=0)
