@@ -54,7 +54,8 @@ _PLAIN: dict[str, tuple[str, str]] = {
                                                 "Usable hints with nothing to add: the device held more already"),
     "dkv_connector_loads_total": ("loads", "Loads posted"),
     "dkv_connector_loads_in_place_total": ("loads_in_place",
-                                           "Small same-host loads copied on the calling thread (in loads too)"),
+                                           "Loads copied without the loop thread, from same-host slots or from the "
+                                           "blocks a lookup's answer brought (in loads too)"),
     "dkv_connector_blocks_loaded_total": ("blocks_loaded", "Blocks (hash x leaf x shard) loads brought in"),
     "dkv_connector_checksum_failures_total": ("checksum_failures",
                                               "Loads failed by their checksums, offloads the node refused so, and lookups "

@@ -173,7 +173,9 @@ class ConnectorCounters:
     hits_local: int = 0
     hits_peer: int = 0
     loads: int = 0
-    loads_in_place: int = 0  # small same-host loads copied on the calling thread (in loads too)
+    # loads copied without the loop thread (the calling thread, or the copy threads it posts to), from
+    # same-host slots or from the blocks a lookup's answer brought (in loads too)
+    loads_in_place: int = 0
     loads_refused: int = 0
     loads_failed: int = 0
     checksum_failures: int = 0  # loads failed by their checksums (in loads_failed too); offloads the node refused;
