@@ -452,6 +452,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--op-bound", type=float, default=OP_BOUND,
                    help=f"seconds an operation may take before it counts as a hang (default {OP_BOUND:.0f})")
     p.add_argument("--no-faults", action="store_true", help="no kills, no etcd restart (a baseline for memory)")
+    p.add_argument("--listener", action="store_true",
+                   help="connectors load and offload over the nodes' UCX listeners (local=False), not the "
+                        "same-host path: small loads then take the blocks a lookup's answer brings")
     p.add_argument("--client-env", action="append", default=[], metavar="NAME=VALUE",
                    help="environment of the connector processes only (e.g. MALLOC_ARENA_MAX=2); repeatable")
     p.add_argument("--trace-memory", action="store_true",
@@ -514,7 +517,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
                    "etcd": cluster.etcd.url, "cluster": cluster.cluster, "rows": args.rows, "seed": args.seed * 1000 + i,
                    "op_bound": args.op_bound, "pace": args.pace, "progress_dir": str(progress_dir),
                    "ready_timeout": READY_TIMEOUT, "mix": DEFAULT_MIX, "trace_memory": args.trace_memory,
-                   "log_level": args.client_log}
+                   "log_level": args.client_log, "local": False if args.listener else None}
             worker = WorkerProc(i, cfg, workdir / f"client-{i}.log", client_env)
             workers.append(worker)
             cluster.pids["workers"].append(worker.pid)

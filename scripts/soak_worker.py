@@ -448,7 +448,7 @@ class Worker:
             try:
                 self.conn = DKVConnector({LEAF: full_attention(0)}, [{LEAF: [self.rows.tensor]}], namespace=NAMESPACE,
                                          node=cfg["node"], node_id=cfg["node_id"], etcd=cfg["etcd"],
-                                         cluster=cfg["cluster"], timeout=CONNECTOR_TIMEOUT)
+                                         cluster=cfg["cluster"], timeout=CONNECTOR_TIMEOUT, local=cfg.get("local"))
                 break
             except Exception:
                 if time.monotonic() > deadline:
