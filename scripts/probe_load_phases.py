@@ -36,7 +36,10 @@ interval (``sys.getswitchinterval()``, printed: the connector's
 ``--gil-switch-interval off`` leaves CPython's 5 ms). ``--listener`` loads over the node's UCX
 listener instead (``local=False``), and also times the read on the loop
 thread and its payload receive (``Connection.recv_payloads``), the checks of
-landed blocks included.
+landed blocks included; a load small enough for its blocks to come with the
+lookup's answer (the connector's ``lookup_payload_bytes``) shows their
+receipt (``NodeClient._receive_sent``, inside ``NodeClient.lookup``) and the
+copy on the calling thread (``LeaseSlots.rows_copy``) instead of a read.
 
 ``memcpy / copy+checksum`` is the highest ``load / memcpy`` ratio a checked
 load could reach if everything but its copy cost nothing.
@@ -190,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                                           "load (load_lookup -> complete)": [], "whole load": []}
         limits: dict[str, list[float]] = {"memcpy": [], "copy+checksum": []}
         inside: dict[str, list[float]] = {}
-        wrapped = [(NodeClient, "lookup"), (NodeClient, "read"), (NodeClient, "read_here"), (LeaseSlots, "rows_copy"),
+        wrapped = [(NodeClient, "lookup"), (NodeClient, "_receive_sent"), (NodeClient, "read"), (NodeClient, "read_here"), (LeaseSlots, "rows_copy"),
                    (LeaseSlots, "_plan_and_copy"), (LeaseSlots, "_plan"), (LeaseSlots, "_copy_and_verify"),
                    (WorkerSide, "_read"), (Connection, "recv_payloads")]
         in_place = WorkerSide.load_in_place
