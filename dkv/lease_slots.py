@@ -104,11 +104,6 @@ class ReceivedBlocks:
         self.view = memoryview(buffer)
         self.size = len(buffer)
 
-    def slot(self, offset: int, nbytes: int) -> memoryview:
-        if offset < 0 or offset + nbytes > self.size:
-            raise ValueError(f"slot [{offset}, {offset + nbytes}) outside the received blocks")
-        return self.view[offset : offset + nbytes]
-
 
 class LeaseSlots:
     """A leased lookup's slot map for one mapping (built from the node's reply; see module docstring).
