@@ -3,7 +3,7 @@
 
 Usage::
 
-    python scripts/device_check.py [--device cuda] [--size 256x64KiB --size 32x1MiB ...] [--rounds 5] [--json out.json]
+    python scripts/device_check.py [--device cuda] [--size 4x64KiB --size 256x64KiB --size 32x1MiB ...] [--rounds 5] [--json out.json]
 
 1. A node (``dkv serve``, a real process, stopped by PID at the end).
 2. For each path, same-host (shared memory) and listener (UCX), and each layout of the device rows
@@ -12,7 +12,9 @@ Usage::
    ``[pages, page]`` on ``--device``. Random rows are written on the device, offloaded (device-to-host
    into one pinned staging tensor on the copy stream), looked up, and loaded into other rows (pinned
    staging, host-to-device on the copy stream, completion by a blocking-sync CUDA event); the rows are
-   compared on the device, bit for bit, every round.
+   compared on the device, bit for bit, every round. On the listener path, a load of at most 256 KiB
+   (the default 4 x 64 KiB) copies the blocks its lookup's answer brought (dkv.wire, ``send``) through
+   the staging, without a read.
 3. Offload and load rates (GB/s = 1e9 B/s of payload, median of the rounds) beside torch's own copy of
    the same bytes between the device and pinned host memory, measured in the same run, and the time the
    ``offload`` and ``load`` calls themselves take on the calling thread (the scheduler's cost: on CUDA
@@ -188,11 +190,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--size", action="append", type=parse_shape, default=None,
-                        help="BLOCKSxPAGE, repeatable (default: 256x64KiB and 32x1MiB)")
+                        help="BLOCKSxPAGE, repeatable (default: 4x64KiB, 256x64KiB and 32x1MiB)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    device, shapes = torch.device(args.device), args.size or [(256, 64 << 10), (32, 1 << 20)]
+    device, shapes = torch.device(args.device), args.size or [(4, 64 << 10), (256, 64 << 10), (32, 1 << 20)]
     pool = 4 * max(b * p for b, p in shapes) + (64 << 20)
     node = start_node(pool=str(pool), exit_with_parent=True)
     acquire_shared_loop()  # one UCX loop for every path
