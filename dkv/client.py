@@ -65,9 +65,11 @@ from dkv.store import WRITE
 from dkv.handover import redeem
 from dkv.lease_slots import LeaseSlots, ReceivedBlocks, RowRun
 from dkv.local_channel import StreamConnection, connect_local
-from dkv.transport import Connection, connect, hold_transport, progress_now, release_transport
+from dkv.transport import (INLINE_MAX, TRAILING_MAX, Connection, connect, hold_transport, progress_now,
+                           release_transport)
 from dkv.units import parse_address
 from dkv.wire import (
+    HEADER_SIZE,
     MAX_FRAME,
     MAX_KEYS,
     MAX_ENDS,
@@ -154,11 +156,26 @@ class _Session:
 
     async def request(self, message: dict[str, Any], timeout: float) -> dict[str, Any]:
         """One request and its reply; it carries the leases its client loaded from since (``ends``)."""
+        await self._send(message, timeout)
+        return _check_reply(await self.conn.recv_message(timeout))
+
+    async def request_with(self, message: dict[str, Any], room: int,
+                           timeout: float) -> tuple[dict[str, Any], memoryview | None]:
+        """:meth:`request` on a UCX connection, the reply received with room for ``room`` bytes after its body.
+
+        Returns the reply and the bytes that followed its body in its message
+        (:meth:`dkv.transport.Connection.recv_message_with`), or ``None``.
+        """
+        assert isinstance(self.conn, Connection)
+        await self._send(message, timeout)
+        reply, trailing = await self.conn.recv_message_with(room, timeout)
+        return _check_reply(reply), trailing
+
+    async def _send(self, message: dict[str, Any], timeout: float) -> None:
         ends = self._take_ends() if self._take_ends is not None else None
         if ends:
             message = {**message, "ends": ends}
         await self.conn.send_message(message, timeout)
-        return _check_reply(await self.conn.recv_message(timeout))
 
 
 async def handshake(conn: Connection, namespace: str, *, secret: bytes | None = None, tenant: str | None = None,
@@ -598,9 +615,16 @@ class NodeClient:
         """
         message, mapping = self._leased_request(session, message)
         sent_at = time.monotonic()
-        reply = await session.request(message, self.timeout)
+        trailing = None
+        if message.get("inline_sent"):
+            reply, trailing = await session.request_with(message, message["send"], self.timeout)
+        else:
+            reply = await session.request(message, self.timeout)
         if "sent" in reply:
-            return await self._receive_sent(session, message, reply)
+            return await self._receive_sent(session, message, reply, trailing)
+        if trailing is not None:
+            session.conn.abort()
+            raise ProtocolError("a lookup's answer carried block bytes it did not name")
         return self._leased_answer(message, mapping, reply, sent_at)
 
     def _leased_request(self, session: _Session, message: dict[str, Any]) -> tuple[dict[str, Any], SegmentMapping | None]:
@@ -625,17 +649,26 @@ class NodeClient:
         if "send" in message:
             distinct = len(set(message["leaves"])) == len(message["leaves"])  # (the blocks' order names each once)
             send = min(message["send"], room) if mapping is None and self.checksums and distinct else 0
-            message = {**message, "send": send} if send > 0 else {k: v for k, v in message.items() if k != "send"}
+            message = {k: v for k, v in message.items() if k not in ("send", "inline_sent")}
+            if send > 0:
+                message["send"] = send
+                # in the answer's own message, where the receive's whole buffer fits the room left
+                if (isinstance(session.conn, Connection) and send <= TRAILING_MAX
+                        and _answer_buffer(send) <= room):
+                    message["inline_sent"] = True
         return message, mapping
 
-    async def _receive_sent(self, session: _Session, message: dict[str, Any], reply: dict[str, Any]) -> LookupResult:
+    async def _receive_sent(self, session: _Session, message: dict[str, Any], reply: dict[str, Any],
+                            trailing: memoryview | None = None) -> LookupResult:
         """A leased lookup answered with its blocks' bytes: receive and check them, keep them for the lease's load.
 
         The reply's ``sent`` is checked against the request (one size and
         checksum per leased block, no more bytes than asked for) before a
         receive is posted; :class:`ProtocolError` otherwise, with the
         connection aborted (the node's payload would have nothing to meet it).
-        A block that fails its checksum is reported absent (see :meth:`lookup`).
+        ``trailing``: the bytes that came in the answer's own message (then
+        exactly the blocks' total, and nothing more is received). A block
+        that fails its checksum is reported absent (see :meth:`lookup`).
         """
         hashes, shards, leaves = message["hashes"], message["shards"], message["leaves"]
         masks = _unpack_masks(reply["masks"], len(hashes))
@@ -651,11 +684,15 @@ class NodeClient:
         count = len(places) * shards
         if (lease_id is None or not places or not isinstance(sizes, list) or not isinstance(sums, list)
                 or len(sizes) != count or len(sums) != count or not _byte_counts(sizes)
-                or not all(map(is_checksum, sums)) or sum(sizes) > message.get("send", 0)):
+                or not all(map(is_checksum, sums)) or sum(sizes) > message.get("send", 0)
+                or (trailing is not None and len(trailing) != sum(sizes))):
             session.conn.abort()
             raise ProtocolError("a lookup's answer names blocks it sends that do not match the request")
-        buffer = bytearray(sum(sizes))
-        whole = memoryview(buffer)
+        if trailing is None:
+            whole = memoryview(bytearray(sum(sizes)))
+            held = len(whole)
+        else:
+            whole, held = trailing, _answer_buffer(message["send"])
         views, at = [], 0
         for size in sizes:
             views.append(whole[at:at + size])
@@ -667,10 +704,14 @@ class NodeClient:
                 leaf, i = places[k // shards]
                 verdicts[k] = checksum_matches(leaf, k % shards, hashes[i], views[k], sums[k])
 
-        await session.conn.recv_payloads(views, self.timeout, check, sent.get("groups"))
-        if 0 in sizes:  # an empty block travels in no message: checked here
+        if trailing is None:
+            await session.conn.recv_payloads(views, self.timeout, check, sent.get("groups"))
+            if 0 in sizes:  # an empty block travels in no message: checked here
+                check(0, count)
+        else:
             check(0, count)
-        slots = LeaseSlots.received_with_lookup(ReceivedBlocks(buffer), hashes, shards, masks, sizes, sums, verdicts)
+        slots = LeaseSlots.received_with_lookup(ReceivedBlocks(whole, held), hashes, shards, masks, sizes, sums,
+                                                verdicts)
         rejected = verdicts.count(False)
         if rejected:
             for k in itertools.compress(range(count), map(operator.not_, verdicts)):
@@ -703,7 +744,7 @@ class NodeClient:
             self._forget_slots_locked(lease_id)
             self._lease_slots[lease_id] = slots
             if slots.received:
-                self._received_bytes += slots.mapping.size
+                self._received_bytes += slots.mapping.held
             self._group_leases[group] = lease_id
             while len(self._lease_slots) > MAX_REMEMBERED_LEASES or self._received_bytes > MAX_RECEIVED_BYTES:
                 self._forget_slots_locked(next(iter(self._lease_slots)))
@@ -714,7 +755,7 @@ class NodeClient:
         """Under ``_lock``: take ``lease_id``'s slot map out of the book (its received bytes no longer count)."""
         slots = self._lease_slots.pop(lease_id, None)
         if slots is not None and slots.received:
-            self._received_bytes -= slots.mapping.size
+            self._received_bytes -= slots.mapping.held
         return slots
 
     # ---- the direct channel (same-host leased lookups on the calling thread) ----------------------
@@ -1404,6 +1445,11 @@ def _identity(fd: int) -> tuple[int, int]:
 def _merge_masks(into: dict[str, list[bool]], part: dict[str, list[bool]]) -> None:
     for leaf, mask in part.items():
         into.setdefault(leaf, []).extend(mask)
+
+
+def _answer_buffer(room: int) -> int:
+    """Bytes of the receive a lookup's answer lands in, with room for ``room`` bytes of blocks in its message."""
+    return HEADER_SIZE + INLINE_MAX + room
 
 
 def _byte_counts(values: list[Any]) -> bool:

@@ -98,11 +98,17 @@ class ReceivedBlocks:
     writes into it once the lookup has returned.
     """
 
-    __slots__ = ("view", "size")
+    __slots__ = ("view", "size", "held")
 
-    def __init__(self, buffer: bytearray) -> None:
+    def __init__(self, buffer: bytearray | memoryview, held: int | None = None) -> None:
+        """``buffer``: the blocks, back to back; ``held``: the bytes kept alive with them (default: theirs).
+
+        A view into a larger buffer (the receive that took the lookup's answer
+        and the blocks in one message) keeps all of it: ``held`` says how much.
+        """
         self.view = memoryview(buffer)
-        self.size = len(buffer)
+        self.size = self.view.nbytes
+        self.held = self.size if held is None else held
 
 
 class LeaseSlots:

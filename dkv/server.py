@@ -707,8 +707,8 @@ class NodeServer:
         if lease is not None and req.get("send") and not slot_map:
             read = self._read_to_send(peer, req, masks, lease.lease_id)
             if read is not None:
-                await self._send_with_lookup(peer, read, masks=packed, lease=lease.lease_id,
-                                             ttl=self.config.lease_ttl)
+                await self._send_with_lookup(peer, read, bool(req.get("inline_sent")), masks=packed,
+                                             lease=lease.lease_id, ttl=self.config.lease_ttl)
                 return
         await self._reply(peer, masks=packed, lease=lease.lease_id if lease else None,
                           ttl=self.config.lease_ttl, **extra)
@@ -738,13 +738,30 @@ class NodeServer:
         self.store.end_lease(lease_id)  # from here only the read's pins hold the slots, as a read that ends it
         return read
 
-    async def _send_with_lookup(self, peer: _Peer, read: ReadPlan, **answer: Any) -> None:
-        """The lookup's ``answer`` with what ``read`` sends (``sent``), then its blocks' bytes; the read ends here."""
+    async def _send_with_lookup(self, peer: _Peer, read: ReadPlan, inline: bool, **answer: Any) -> None:
+        """The lookup's ``answer`` with what ``read`` sends (``sent``), then its blocks' bytes; the read ends here.
+
+        With ``inline`` (the client made room for them, see :mod:`dkv.wire`)
+        the bytes go in the answer's own UCX message where its body is
+        inline (:meth:`Connection.send_message_with`); else, or on a stream
+        connection, as a read's payload messages after it.
+        """
         try:
             plan, offsets, sizes = self._payload_plan(read)
-            await self._reply(peer, **answer, sent={"sizes": read.sizes, "sums": read.checksums,
-                                                    "groups": plan_groups(plan)})
-            await self._send_payloads(peer, plan, offsets, sizes)
+            reply = {"ok": True, **answer, "sent": {"sizes": read.sizes, "sums": read.checksums,
+                                                    "groups": plan_groups(plan)}}
+            conn = peer.conn
+            if inline and isinstance(conn, Connection):
+                slot = self.arena.slot
+                blocks = [slot(peer.namespace, offset, size) for offset, size in zip(offsets, sizes)]
+                carried = await conn.send_message_with(reply, blocks, self.config.op_timeout)
+            else:
+                await conn.send_message(reply, self.config.op_timeout)
+                carried = False
+            if carried:
+                self.traffic["out"]["listener"] += sum(sizes)
+            else:
+                await self._send_payloads(peer, plan, offsets, sizes)
             self.lookup_payloads += 1
         finally:
             self.store.end_read(read.read_id)

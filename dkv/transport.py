@@ -14,6 +14,10 @@ msgpack body together, when the body is at most :data:`INLINE_MAX` bytes
 zeros, never as stale bytes) and takes the length from the header. A larger
 body follows the header as a second message, received into a buffer
 allocated only once the header has passed :func:`dkv.wire.decode_header`.
+A receiver that makes room for them (:meth:`Connection.recv_message_with`)
+may also take bytes after an inline body in the same message
+(``FLAG_TRAILING``, :meth:`Connection.send_message_with`): the blocks a
+lookup sends with its answer, in one message with it.
 
 Payloads: :meth:`Connection.send_payloads` and :meth:`Connection.recv_payloads`
 are called by the two sides with the same buffer sizes, and both cut the
@@ -62,6 +66,8 @@ import threading
 import weakref
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
+
+import numpy as np
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 # UCX's TCP transport moves a message in segments of this size (default 64 KiB): at 512 KiB a
@@ -158,10 +164,11 @@ from dkv.errors import DKVError, OpTimeout, ProtocolError, TransportError  # noq
 from dkv.stuck_connections import StuckConnectionReaper  # noqa: E402
 from dkv.wire import (  # noqa: E402
     FLAG_INLINE,
+    FLAG_TRAILING,
     HEADER_SIZE,
     MAX_FRAME,
     decode_body,
-    decode_header,
+    decode_frame_header,
     encode_body,
     encode_header,
 )
@@ -189,6 +196,10 @@ MAPPED_BODY_MIN = 256 * 1024
 # both sides must agree). Measured (scripts/probe_transport_pingpong.py): one message instead
 # of two halves a control message's cost; bodies up to a few KiB are the common case.
 INLINE_MAX = 16 * 1024
+# The most bytes a receiver makes room for after an inline body (FLAG_TRAILING: the blocks a lookup
+# sends with its answer), so that one receive of HEADER_SIZE + INLINE_MAX + room takes the answer
+# and its blocks. Larger sends travel as payload messages of their own.
+TRAILING_MAX = 1 << 20
 # Payload batching (protocol constants too: both sides derive the same messages from the sizes).
 GROUP_BYTES = 1 << 20  # runs of small buffers share one UCX message of at most this many bytes
 DIRECT_MIN = 128 * 1024  # a buffer this large is its own message (no copy, whatever its neighbours)
@@ -578,7 +589,33 @@ class Connection:
         left, and raises if it failed. The message's bytes are its own, so
         nothing of the caller's is held.
         """
+        await self._send_body(encode_body(message), timeout)
+
+    async def send_message_with(self, message: dict[str, Any], trailing: Sequence[Any],
+                                timeout: float = DEFAULT_TIMEOUT) -> bool:
+        """Send ``message`` with ``trailing``'s bytes after its body in the same UCX message, where the body is inline.
+
+        For a peer that made room for them (:meth:`recv_message_with`):
+        ``FLAG_TRAILING``, their total in the header. The bytes are copied
+        into the message as it is made, so the caller's buffers are free
+        once this returns. Returns False, having sent the message alone (as
+        :meth:`send_message`), when its body is over :data:`INLINE_MAX` or
+        the bytes over :data:`TRAILING_MAX`: the caller sends them its other way.
+        """
         body = encode_body(message)
+        views = [_byte_view(buffer) for buffer in trailing]
+        total = sum(map(len, views))
+        if len(body) > INLINE_MAX or total > TRAILING_MAX:
+            await self._send_body(body, timeout)
+            return False
+        if self.closed:
+            raise TransportError(f"connection to {self.peer} is closed")
+        await self._settle(timeout)
+        frame = b"".join([encode_header(len(body), FLAG_INLINE | FLAG_TRAILING, total), body, *views])
+        self._sending = self._post(frame, send=True)
+        return True
+
+    async def _send_body(self, body: bytes, timeout: float) -> None:
         if self.closed:
             raise TransportError(f"connection to {self.peer} is closed")
         await self._settle(timeout)
@@ -618,22 +655,54 @@ class Connection:
         (:class:`dkv.errors.FrameTooLarge` over the bound); the stream is then
         out of step, so the caller answers if it wants and must :meth:`abort`.
         """
+        message, _ = await self._recv(timeout, max_frame, 0)
+        return message
+
+    async def recv_message_with(self, room: int, timeout: float = DEFAULT_TIMEOUT) -> tuple[dict[str, Any], memoryview | None]:
+        """:meth:`recv_message`, with room for up to ``room`` (at most :data:`TRAILING_MAX`) bytes after an inline body.
+
+        Returns the message and the bytes that followed its body in the same
+        UCX message (``FLAG_TRAILING``, see :meth:`send_message_with`), or
+        ``None`` when none did. Only the header and body part of the receive
+        is zeroed: past the message's end, the trailing view may read bytes
+        this process held before, so its bytes are trusted only once checked
+        (the lookup's blocks each against its checksum). A header announcing
+        more than ``room`` is a :class:`ProtocolError` (the endpoint is to be
+        aborted, as for any bad frame).
+        """
+        if not 0 <= room <= TRAILING_MAX:
+            raise ValueError(f"room for {room} trailing bytes: at most {TRAILING_MAX}")
+        return await self._recv(timeout, None, room)
+
+    async def _recv(self, timeout: float, max_frame: int | None, room: int) -> tuple[dict[str, Any], memoryview | None]:
         if self._closed or self._ep is None:  # (an endpoint the peer closed may still hold its last message)
             raise TransportError(f"connection to {self.peer} is closed")
-        # fresh and zeroed each time: a message shorter than its header says leaves zeros, not
-        # the bytes of an earlier message; a longer one fails the receive (UCX: truncated)
-        first = bytearray(HEADER_SIZE + INLINE_MAX)
+        # fresh, its header and body part zeroed each time: a message shorter than its header says
+        # leaves zeros, not the bytes of an earlier message; a longer one fails the receive (UCX:
+        # truncated). Room for trailing bytes is left as allocated (see recv_message_with).
+        if room:
+            first: Any = np.empty(HEADER_SIZE + INLINE_MAX + room, dtype=np.uint8)
+            first[:HEADER_SIZE + INLINE_MAX] = 0
+        else:
+            first = bytearray(HEADER_SIZE + INLINE_MAX)
         sending, self._sending = self._sending, None  # the request's send completes as its reply comes
         await self._bounded(self._after_sent(sending, self._post(first, send=False)), timeout, "receive")
-        length, flags = decode_header(first, self.max_frame if max_frame is None else max_frame, with_flags=True)
+        view = memoryview(first)
+        length, flags, trailing = decode_frame_header(view, self.max_frame if max_frame is None else max_frame)
         if flags & FLAG_INLINE:
             if length > INLINE_MAX:
                 raise ProtocolError(f"inline frame of {length} bytes exceeds the {INLINE_MAX}-byte bound")
-            return decode_body(memoryview(first)[HEADER_SIZE:HEADER_SIZE + length])
+            if flags & FLAG_TRAILING and (not room or trailing > room):
+                raise ProtocolError(f"a frame with {trailing} trailing bytes, where room was made for {room}")
+            message = decode_body(view[HEADER_SIZE:HEADER_SIZE + length])
+            if flags & FLAG_TRAILING:
+                start = HEADER_SIZE + length
+                return message, view[start:start + trailing]
+            return message, None
         body: bytearray | mmap.mmap = bytearray(length) if length < MAPPED_BODY_MIN else mmap.mmap(-1, length)
         if length:
             await self._bounded(self._post(body, send=False), timeout, "receive")
-        return decode_body(body)
+        return decode_body(body), None
 
     async def send_payloads(self, buffers: Sequence[Any], timeout: float = DEFAULT_TIMEOUT,
                             groups: Any = None) -> None:

@@ -80,7 +80,14 @@ checks every block against its checksum as it lands and keeps the bytes for
 the lease's load, which then copies them without asking the node; the lease
 id names that load, and the node holds nothing for it any more (a
 ``release`` of it is not sent). Otherwise the answer is a plain one (no
-``sent``) and the load reads the two-step way.
+``sent``) and the load reads the two-step way. A UCX client that also says
+``"inline_sent": true`` posts its receive for the answer with room for
+``send`` bytes after the largest inline body; the node may then put the
+blocks in the answer's own message, after its body (flag ``FLAG_TRAILING``,
+their total in the header's last field, ``groups`` then moot), when the body
+is inline: one message instead of two, each side posting and completing one
+UCX request fewer. A receiver that made no such room refuses a header with
+``FLAG_TRAILING`` (:func:`decode_header`).
 
 Reads pin for themselves: a ``read`` takes its own pins on its blocks (and,
 with ``end``, ends its lease at once), held until the bytes have left. On the
@@ -125,7 +132,10 @@ MAGIC = b"dKV\x01"
 HEADER = struct.Struct("<4sHHII")  # magic, protocol version, flags, body length, reserved
 HEADER_SIZE = HEADER.size
 FLAG_INLINE = 0x1  # the body follows the header in the same UCX message (else: as the next message)
-HEADER_FLAGS = FLAG_INLINE  # every flag this side knows; a header with another is refused
+# (with FLAG_INLINE) more bytes follow the body in the same UCX message, as many as the header's last field
+# says: the blocks a lookup sends with its answer, to a client that asked for them so ("inline_sent")
+FLAG_TRAILING = 0x2
+HEADER_FLAGS = FLAG_INLINE | FLAG_TRAILING  # every flag this side knows; a header with another is refused
 MAX_FRAME = 8 * 2**20
 MAX_KEYS = 65536
 MAX_LEAVES = 64
@@ -140,32 +150,52 @@ _UNPACK_LIMITS = dict(
 )
 
 
-def encode_header(body_length: int, flags: int = 0) -> bytes:
-    """A header announcing ``body_length`` bytes; ``flags`` 0 (body as the next message) or ``FLAG_INLINE``."""
-    if body_length > MAX_FRAME:
-        raise FrameTooLarge(f"frame of {body_length} bytes exceeds the {MAX_FRAME}-byte bound")
-    return HEADER.pack(MAGIC, PROTOCOL_VERSION, flags, body_length, 0)
+def encode_header(body_length: int, flags: int = 0, trailing: int = 0) -> bytes:
+    """A header announcing ``body_length`` bytes; ``flags`` 0 (body as the next message) or ``FLAG_INLINE``.
+
+    ``trailing``: with ``FLAG_INLINE | FLAG_TRAILING``, how many bytes follow
+    the body in the same message.
+    """
+    if body_length > MAX_FRAME or trailing > MAX_FRAME:
+        raise FrameTooLarge(f"frame of {max(body_length, trailing)} bytes exceeds the {MAX_FRAME}-byte bound")
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, flags, body_length, trailing)
 
 
-def decode_header(raw: bytes | bytearray | memoryview, max_frame: int = MAX_FRAME, *,
-                  with_flags: bool = False) -> int | tuple[int, int]:
-    """Body length announced by a header (``raw`` may run on: only its first HEADER_SIZE bytes count).
+def decode_frame_header(raw: bytes | bytearray | memoryview, max_frame: int = MAX_FRAME) -> tuple[int, int, int]:
+    """``(body length, flags, trailing bytes)`` a header announces (``raw`` may run on: only its first HEADER_SIZE bytes count).
 
-    With ``with_flags``, ``(length, flags)``. :class:`ProtocolError` if the
-    header is not ours (or carries a flag this side does not know),
-    :class:`FrameTooLarge` over ``max_frame``.
+    :class:`ProtocolError` if the header is not ours, carries a flag this
+    side does not know, or announces trailing bytes without an inline body
+    (or more than ``MAX_FRAME`` of them); :class:`FrameTooLarge` for a body
+    over ``max_frame``. Trailing bytes are 0 unless ``FLAG_TRAILING`` is set.
     """
     if len(raw) < HEADER_SIZE:
         raise ProtocolError(f"frame header of {len(raw)} bytes, not {HEADER_SIZE}")
-    magic, version, flags, length, _reserved = HEADER.unpack_from(raw)
+    magic, version, flags, length, trailing = HEADER.unpack_from(raw)
     if magic != MAGIC:
         raise ProtocolError("bad frame magic: not a dKV peer, or a garbled stream")
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {version} not supported (this side speaks {PROTOCOL_VERSION})")
     if flags & ~HEADER_FLAGS:
         raise ProtocolError(f"unknown frame flags {flags:#x}")
+    if flags & FLAG_TRAILING and (not flags & FLAG_INLINE or trailing > MAX_FRAME):
+        raise ProtocolError(f"a frame's {trailing} trailing bytes need an inline body and at most {MAX_FRAME}")
     if length > max_frame:
         raise FrameTooLarge(f"frame of {length} bytes exceeds the {max_frame}-byte bound")
+    return length, flags, trailing if flags & FLAG_TRAILING else 0
+
+
+def decode_header(raw: bytes | bytearray | memoryview, max_frame: int = MAX_FRAME, *,
+                  with_flags: bool = False) -> int | tuple[int, int]:
+    """Body length announced by a header (see :func:`decode_frame_header`), for a receiver that takes no trailing bytes.
+
+    With ``with_flags``, ``(length, flags)``. :class:`ProtocolError` also for
+    a header that announces trailing bytes (``FLAG_TRAILING``): only a
+    receiver that made room for them may take them.
+    """
+    length, flags, _ = decode_frame_header(raw, max_frame)
+    if flags & FLAG_TRAILING:
+        raise ProtocolError("a frame with trailing bytes where none were asked for")
     return (length, flags) if with_flags else length
 
 
@@ -321,7 +351,8 @@ SCHEMAS: dict[str, dict[str, Callable[[object], bool]]] = {
               "host": _short_str, "cnonce": lambda v: isinstance(v, bytes) and len(v) == NONCE_SIZE,
               "tenant": lambda v: v is None or (isinstance(v, str) and 0 < len(v) <= 64)},
     "lookup": {**_PRESENCE, "lease": _is_bool, "group": _int(0, 1 << 20), "slots": optional(_is_bool),
-               "send": optional(_int(0, MAX_FRAME))},  # send: the blocks' bytes with the answer, up to so many
+               "send": optional(_int(0, MAX_FRAME)),  # send: the blocks' bytes with the answer, up to so many
+               "inline_sent": optional(_is_bool)},  # ... in the answer's own message (FLAG_TRAILING)
     "probe": {**_PRESENCE, "tiers": optional(_is_bool)},  # tiers: also say host or disk per block
     "touch": _PRESENCE,
     "read": {"lease": _is_id, "keys": _keys, "end": _is_bool, "shm": _is_bool},

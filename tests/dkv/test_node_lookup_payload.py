@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 import dkv.client
+from dkv import transport
 from dkv.client import NodeClient
 from dkv.errors import LeaseExpired, ProtocolError
 from dkv.keys import BlockKey
@@ -46,7 +47,20 @@ async def _read(reader: Any, lease_id: int, keys: list[BlockKey], data: dict[Blo
     assert [bytes(d) for d in dests] == [data[k] for k in keys]
 
 
-async def test_a_lookup_that_asks_gets_its_blocks_and_their_load_asks_nothing_more(node, clients) -> None:
+@pytest.mark.parametrize("one_message", [True, False], ids=["in-the-answer-s-message", "after-the-answer"])
+async def test_a_lookup_that_asks_gets_its_blocks_and_their_load_asks_nothing_more(node, clients, monkeypatch,
+                                                                                  one_message: bool) -> None:
+    """The blocks come in the answer's own UCX message where the client made room, else as payload messages after it."""
+    if not one_message:
+        monkeypatch.setattr(dkv.client, "TRAILING_MAX", 0)  # the client makes no room: the node sends them after
+    payload_receives = []
+    real_recv_payloads = transport.Connection.recv_payloads
+
+    async def recv_payloads(self: Any, *args: Any, **kwargs: Any) -> None:
+        payload_receives.append(args)
+        await real_recv_payloads(self, *args, **kwargs)
+
+    monkeypatch.setattr(transport.Connection, "recv_payloads", recv_payloads)
     writer = clients(node.address)
     h = [os.urandom(32) for _ in range(5)]
     # two leaves, two shards; "b" lacks h[1] and h[3] (not a prefix): the blocks come leaf by leaf,
@@ -56,6 +70,7 @@ async def test_a_lookup_that_asks_gets_its_blocks_and_their_load_asks_nothing_mo
     found = await reader.lookup(h, ["a", "b"], 2, send=ASK)
     assert found.received and found.rejected == 0
     assert found.masks == {"a": [True] * 5, "b": [True, False, True, False, True]}
+    assert len(payload_receives) == (0 if one_message else 1)
     stats = await node_stats(node.address)
     assert stats["lookups_with_payload"] == 1
     assert stats["leases"] == 0 and stats["reads"] == 0 and stats["pinned_blocks"] == 0  # nothing held for it
@@ -195,3 +210,39 @@ async def test_an_answer_with_sent_blocks_but_no_lease_is_a_protocol_error() -> 
     with pytest.raises(ProtocolError):
         await client._leased_lookup(session, message)  # noqa: SLF001
     assert conn.aborted
+
+
+class _TrailingConn(transport.Connection):
+    """A UCX connection's stand-in (the client makes room in its answers only on UCX connections)."""
+
+    def __init__(self) -> None:  # (no endpoint: nothing here reaches UCX)
+        self.aborted = False
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+@pytest.mark.parametrize("sent, trailing", [
+    ({"sizes": [BLOCK, BLOCK], "sums": [b"s" * 16] * 2, "groups": [2]}, b"x" * (2 * BLOCK - 1)),  # short
+    ({"sizes": [BLOCK, BLOCK], "sums": [b"s" * 16] * 2, "groups": [2]}, b"x" * (2 * BLOCK + 1)),  # long
+    (None, b"x" * BLOCK),  # bytes the answer does not name
+], ids=["fewer-bytes-than-named", "more-bytes-than-named", "bytes-without-sent"])
+async def test_an_answer_whose_own_message_carries_other_bytes_than_it_names_is_a_protocol_error(
+        sent: Any, trailing: bytes) -> None:
+    client = NodeClient("127.0.0.1:1", "ns")
+    conn = _TrailingConn()
+
+    async def request_with(message: dict[str, Any], room: int, timeout: float) -> tuple[dict[str, Any], memoryview]:
+        assert room == message["send"]
+        reply = {"ok": True, "masks": {"a": b"\x01\x01"}, "lease": 7, "ttl": 10.0}
+        if sent is not None:
+            reply["sent"] = sent
+        return reply, memoryview(trailing)
+
+    session = SimpleNamespace(mapping=None, conn=conn, request_with=request_with)
+    message = {"op": "lookup", "hashes": [b"h" * 32, b"i" * 32], "leaves": ["a"], "shards": 1, "lease": True,
+               "group": 0, "send": ASK}
+    with pytest.raises(ProtocolError):
+        await client._leased_lookup(session, message)  # noqa: SLF001
+    assert conn.aborted
+    assert client._lease_slots == {} and client._received_bytes == 0  # noqa: SLF001

@@ -48,7 +48,8 @@ import pytest  # noqa: E402
 
 from dkv import transport  # noqa: E402
 from dkv.errors import DKVError, FrameTooLarge, ProtocolError  # noqa: E402
-from dkv.wire import FLAG_INLINE, HEADER, MAGIC, MAX_FRAME, PROTOCOL_VERSION, encode_body, encode_header  # noqa: E402
+from dkv.wire import (FLAG_INLINE, FLAG_TRAILING, HEADER, MAGIC, MAX_FRAME, PROTOCOL_VERSION, encode_body,  # noqa: E402
+                      encode_header)
 from tests.conftest import on_ucx  # noqa: E402
 
 KIB = 1024
@@ -228,13 +229,50 @@ async def test_a_header_and_a_body_sent_as_two_raw_messages_read_as_one_frame() 
     await _run(check)
 
 
+async def test_bytes_after_an_inline_body_come_in_its_message_only_to_a_receiver_that_made_room() -> None:
+    async def check(client: transport.Connection, server: transport.Connection) -> None:
+        blocks = [os.urandom(64 * KIB), b"", os.urandom(5), memoryview(bytearray(os.urandom(3000)))[1000:]]
+        assert await server.send_message_with({"ok": True, "n": 1}, blocks) is True
+        got, trailing = await client.recv_message_with(256 * KIB)
+        assert got == {"ok": True, "n": 1} and bytes(trailing) == b"".join(bytes(b) for b in blocks)
+
+        # no trailing bytes: the message alone, None
+        await server.send_message({"ok": True, "n": 2})
+        assert await client.recv_message_with(256 * KIB) == ({"ok": True, "n": 2}, None)
+        # a body too large to be inline: the message goes alone, the caller sends its bytes its other way
+        big = {"ok": True, "pad": os.urandom(transport.INLINE_MAX)}
+        sent, (got, trailing) = await asyncio.gather(server.send_message_with(big, [b"x" * 10]),
+                                                     client.recv_message_with(256 * KIB))
+        assert sent is False and got == big and trailing is None
+
+    async def refused(room: int, size: int) -> None:
+        async def check_refused(client: transport.Connection, server: transport.Connection) -> None:
+            body = encode_body({"ok": True})
+            # a header that claims more trailing bytes than the receiver made room for: refused on its claim
+            await server.send_raw(encode_header(len(body), FLAG_INLINE | FLAG_TRAILING, size) + body + b"z" * 16)
+            with pytest.raises(ProtocolError, match="trailing"):
+                if room:
+                    await client.recv_message_with(room, 5)
+                else:
+                    await client.recv_message(5)
+
+        await _run(check_refused)
+
+    await _run(check)
+    await refused(0, 16)  # a receiver that made no room refuses any
+    await refused(64, 65)
+
+
 @pytest.mark.parametrize("header, error", [
     (HEADER.pack(MAGIC, PROTOCOL_VERSION, 0, MAX_FRAME + 1, 0), FrameTooLarge),
     (HEADER.pack(MAGIC, PROTOCOL_VERSION, FLAG_INLINE, transport.INLINE_MAX + 1, 0), ProtocolError),
     (HEADER.pack(MAGIC, PROTOCOL_VERSION, 0x80, 10, 0), ProtocolError),
+    (HEADER.pack(MAGIC, PROTOCOL_VERSION, FLAG_TRAILING, 10, 10), ProtocolError),
+    (HEADER.pack(MAGIC, PROTOCOL_VERSION, FLAG_INLINE | FLAG_TRAILING, 10, MAX_FRAME + 1), ProtocolError),
     (HEADER.pack(MAGIC, PROTOCOL_VERSION - 1, 0, 10, 0), ProtocolError),
     (b"\x00", ProtocolError),
-], ids=["oversized", "inline-oversized", "unknown-flag", "old-version", "short"])
+], ids=["oversized", "inline-oversized", "unknown-flag", "trailing-not-inline", "trailing-oversized",
+        "old-version", "short"])
 async def test_bad_headers_are_refused_before_any_body_buffer(header: bytes, error: type[Exception]) -> None:
     async def check(client: transport.Connection, server: transport.Connection) -> None:
         allocated = []

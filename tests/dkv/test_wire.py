@@ -7,12 +7,15 @@ import pytest
 
 from dkv.errors import FrameTooLarge, ProtocolError
 from dkv.wire import (
+    FLAG_INLINE,
+    FLAG_TRAILING,
     HEADER,
     MAGIC,
     MAX_FRAME,
     PROTOCOL_VERSION,
     check_request,
     decode_body,
+    decode_frame_header,
     decode_header,
     encode_body,
     encode_header,
@@ -24,6 +27,21 @@ from dkv.wire import (
 
 def test_header_round_trip() -> None:
     assert decode_header(encode_header(1234)) == 1234
+
+
+def test_a_header_announces_trailing_bytes_only_after_an_inline_body_and_only_to_who_takes_them() -> None:
+    header = encode_header(100, FLAG_INLINE | FLAG_TRAILING, 5000)
+    assert decode_frame_header(header) == (100, FLAG_INLINE | FLAG_TRAILING, 5000)
+    assert decode_frame_header(encode_header(100, FLAG_INLINE)) == (100, FLAG_INLINE, 0)
+    assert decode_frame_header(HEADER.pack(MAGIC, PROTOCOL_VERSION, FLAG_INLINE, 100, 77)) == (100, FLAG_INLINE, 0)
+    with pytest.raises(ProtocolError, match="trailing"):
+        decode_header(header)  # a receiver that made no room for them
+    with pytest.raises(ProtocolError, match="inline body"):
+        decode_frame_header(encode_header(100, FLAG_TRAILING, 5000))
+    with pytest.raises(ProtocolError, match="inline body"):
+        decode_frame_header(HEADER.pack(MAGIC, PROTOCOL_VERSION, FLAG_INLINE | FLAG_TRAILING, 100, MAX_FRAME + 1))
+    with pytest.raises(FrameTooLarge):
+        encode_header(100, FLAG_INLINE | FLAG_TRAILING, MAX_FRAME + 1)
 
 
 def test_oversized_frame_is_refused_before_allocation() -> None:
@@ -54,6 +72,9 @@ def test_valid_lookup_passes() -> None:
                                    "shards": 2, "lease": True, "group": 0}))
     assert check_request(msg) == "lookup"
     assert check_request({**msg, "send": 1 << 20}) == "lookup"  # the blocks' bytes with the answer, up to so many
+    assert check_request({**msg, "send": 1 << 20, "inline_sent": True}) == "lookup"  # ...in the answer's message
+    with pytest.raises(ProtocolError, match="inline_sent"):
+        check_request({**msg, "inline_sent": 1})
 
 
 @pytest.mark.parametrize("send", [-1, True, 1.5, "1MiB", MAX_FRAME + 1])

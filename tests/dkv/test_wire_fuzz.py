@@ -117,6 +117,8 @@ def valid_requests(draw: st.DrawFn) -> dict[str, Any]:
         message["slots"] = draw(st.booleans())
     if op == "lookup" and draw(st.booleans()):
         message["send"] = draw(st.integers(0, MAX_FRAME))
+    if op == "lookup" and draw(st.booleans()):
+        message["inline_sent"] = draw(st.booleans())
     if op != "hello" and draw(st.booleans()):
         message["ends"] = draw(st.lists(ids, max_size=8))
     return message
@@ -141,7 +143,7 @@ def mutated_requests(draw: st.DrawFn) -> dict[str, Any]:
         elif action == "replace" and names:
             message[draw(st.sampled_from(names))] = draw(wire_values)
         else:
-            message[draw(st.text(max_size=10) | st.sampled_from(["op", "ends", "slots", "send", "sums"]))] = draw(wire_values)
+            message[draw(st.text(max_size=10) | st.sampled_from(["op", "ends", "slots", "send", "inline_sent", "sums"]))] = draw(wire_values)
     return message
 
 
