@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import operator
+import struct
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -88,6 +90,54 @@ class RowRun(NamedTuple):
     ids: Sequence[int]
     rows: Any
     row_bytes: int
+
+
+_NO_SUM = bytes(CHECKSUM_SIZE)
+
+
+def _received_map_few(count: int, shards: int, masks: dict[str, list[bool]], sizes: Sequence[int],
+                      sums: Sequence[bytes], good: Sequence[bool]) -> dict[str, list[bytes]]:
+    """:func:`_received_map_arrays` of a few keys, a Python step each (numpy's fixed cost per pass is most of a small map)."""
+    starts, at = [], 0
+    for size, ok in zip(sizes, good):
+        starts.append(at if ok else -1)
+        at += size
+    pack = struct.Struct(f"={count}q").pack
+    raw: dict[str, list[bytes]] = {}
+    k = 0
+    for leaf, mask in masks.items():
+        offsets, slot_sizes, leaf_sums = [-1] * count, [0] * count, [_NO_SUM] * count
+        for row in itertools.compress(range(len(mask)), mask):
+            for place in range(row * shards, row * shards + shards):
+                offsets[place], slot_sizes[place], leaf_sums[place] = starts[k], sizes[k], sums[k]
+                k += 1
+        raw[leaf] = [pack(*offsets), pack(*slot_sizes), b"".join(leaf_sums)]
+    return raw
+
+
+def _received_map_arrays(count: int, shards: int, masks: dict[str, list[bool]], sizes: Sequence[int],
+                         sums: Sequence[bytes], good: Sequence[bool]) -> dict[str, list[bytes]]:
+    """The slot map (per leaf: offsets, sizes, sums over hashes x shards) of blocks sent with a lookup's answer.
+
+    See :meth:`LeaseSlots.received_with_lookup`; array passes over all of them.
+    """
+    starts = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(np.asarray(sizes, dtype=np.int64), out=starts[1:])
+    starts[:-1][~np.asarray(good, dtype=bool)] = -1
+    packed_sums = np.frombuffer(b"".join(sums), dtype=_CHECKSUM) if sums else np.empty(0, dtype=_CHECKSUM)
+    raw: dict[str, list[bytes]] = {}
+    at = 0
+    for leaf, mask in masks.items():
+        rows = np.flatnonzero(np.asarray(mask, dtype=bool))
+        places = (rows[:, None] * shards + np.arange(shards)).ravel()  # hash by hash, shard by shard
+        offsets = np.full(count, -1, dtype=np.int64)
+        slot_sizes = np.zeros(count, dtype=np.int64)
+        leaf_sums = np.zeros(count, dtype=_CHECKSUM)
+        taken = slice(at, at + len(places))
+        offsets[places], slot_sizes[places], leaf_sums[places] = starts[taken], sizes[taken], packed_sums[taken]
+        at += len(places)
+        raw[leaf] = [offsets.tobytes(), slot_sizes.tobytes(), leaf_sums.tobytes()]
+    return raw
 
 
 class ReceivedBlocks:
@@ -161,28 +211,17 @@ class LeaseSlots:
         map as a block the lease does not hold: a copy of it is refused.
         """
         count = len(hashes) * shards
-        starts = np.zeros(len(sizes) + 1, dtype=np.int64)
-        np.cumsum(np.asarray(sizes, dtype=np.int64), out=starts[1:])
-        starts[:-1][~np.asarray(good, dtype=bool)] = -1
-        packed_sums = np.frombuffer(b"".join(sums), dtype=_CHECKSUM) if sums else np.empty(0, dtype=_CHECKSUM)
-        raw: dict[str, list[bytes]] = {}
-        at = 0
-        for leaf, mask in masks.items():
-            rows = np.flatnonzero(np.asarray(mask, dtype=bool))
-            places = (rows[:, None] * shards + np.arange(shards)).ravel()  # hash by hash, shard by shard
-            offsets = np.full(count, -1, dtype=np.int64)
-            slot_sizes = np.zeros(count, dtype=np.int64)
-            leaf_sums = np.zeros(count, dtype=_CHECKSUM)
-            taken = slice(at, at + len(places))
-            offsets[places], slot_sizes[places], leaf_sums[places] = starts[taken], sizes[taken], packed_sums[taken]
-            at += len(places)
-            raw[leaf] = [offsets.tobytes(), slot_sizes.tobytes(), leaf_sums.tobytes()]
+        if count <= FEW_KEYS:
+            raw = _received_map_few(count, shards, masks, sizes, sums, good)
+        else:
+            raw = _received_map_arrays(count, shards, masks, sizes, sums, good)
         return cls(blocks, hashes, shards, raw, live_until=float("inf"))
 
     @property
     def received(self) -> bool:
         """Whether these are bytes the node sent with the lookup's answer (it ended the lease then: nothing to end)."""
         return isinstance(self.mapping, ReceivedBlocks)
+
 
     def _plan(self, keys: Sequence[Any], sizes: Sequence[int]) -> tuple[list[int], bytes] | None:
         """Each key's slot offset, and their checksums packed in key order; ``None`` when any key cannot be copied this way.

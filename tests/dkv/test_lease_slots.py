@@ -213,7 +213,11 @@ async def test_a_load_in_any_key_order_across_leaves_and_shards_gets_each_keys_o
     assert await slots.copy(keys, [memoryview(d) for d in dests]) is False
 
 
-async def test_blocks_sent_with_a_lookup_s_answer_are_mapped_in_the_wire_s_order_and_a_bad_one_is_not_copied() -> None:
+@pytest.mark.parametrize("few", [True, False], ids=["a-step-per-key", "array-passes"])
+async def test_blocks_sent_with_a_lookup_s_answer_are_mapped_in_the_wire_s_order_and_a_bad_one_is_not_copied(
+        few: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not few:
+        monkeypatch.setattr(lease_slots, "FEW_KEYS", 0)
     hashes = [bytes([i + 1]) * 32 for i in range(4)]
     shards = 2
     masks = {"B": [True, False, True, True], "A": [False, True, True, False]}  # leaf order as asked: B, then A
@@ -242,6 +246,21 @@ async def test_blocks_sent_with_a_lookup_s_answer_are_mapped_in_the_wire_s_order
     assert await slots.copy([sent[bad][0]], [memoryview(bytearray(sizes[bad]))]) is False  # never copied
     assert await slots.copy([("B", 0, hashes[1])], [memoryview(bytearray(sizes[0]))]) is False  # not sent
     assert await slots.copy([("A", 0, hashes[0])], [memoryview(bytearray(sizes[0]))]) is False  # not sent
+
+
+def test_the_map_of_a_few_blocks_sent_with_an_answer_is_the_array_passes_map() -> None:
+    """A few blocks sent with a lookup's answer are mapped a Python step each; on any masks, sizes and verdicts, the same bytes."""
+    rng = random.Random(11)
+    for _ in range(2000):
+        hashes, shards = rng.randint(1, 4), rng.randint(1, 2)
+        leaves = rng.sample(["A", "B", "C"], rng.randint(1, 3))
+        masks = {leaf: [rng.random() < 0.6 for _ in range(hashes)] for leaf in leaves}
+        sent = sum(map(sum, masks.values())) * shards
+        sizes = [rng.choice([0, 5, 4096, 65536]) for _ in range(sent)]
+        sums = [rng.randbytes(16) for _ in range(sent)]
+        good = [rng.random() < 0.8 for _ in range(sent)]
+        assert (lease_slots._received_map_few(hashes * shards, shards, masks, sizes, sums, good)
+                == lease_slots._received_map_arrays(hashes * shards, shards, masks, sizes, sums, good))
 
 
 def test_a_few_keys_are_planned_one_step_each_with_the_same_answer_as_the_array_passes() -> None:
