@@ -44,7 +44,7 @@ from connector.lease_budget import Slot
 from dkv.client import LookupResult, NodeClient
 from dkv.copy_threads import ChunkedCopy, PostedCopy
 from dkv.lease_slots import LeaseSlots, RowRun
-from dkv.direct_channel import ChannelBusy, ChannelClosed
+from dkv.direct_channel import REPLY_SPIN, ChannelBusy, ChannelClosed
 from dkv.errors import ChecksumMismatch, OpTimeout, TransportError
 from dkv.etcd import EtcdSettings, Layout, make_client
 from dkv.loop_thread import LoopThread
@@ -182,7 +182,8 @@ class WorkerSide:
     def __init__(self, sched: SchedulerSide, loop: LoopThread, *, namespace: str, node_address: str,
                  token: bytes | None, tenant: str | None, timeout: float, local: bool | None, checksums: bool,
                  etcd: str | EtcdSettings | None, layout: Layout | None, peer_idle_timeout: float,
-                 lookup_in_place: bool = True, lookup_payload_bytes: int = LOOKUP_PAYLOAD_BYTES) -> None:
+                 lookup_in_place: bool = True, lookup_payload_bytes: int = LOOKUP_PAYLOAD_BYTES,
+                 reply_spin: float = REPLY_SPIN) -> None:
         """Any thread (construction); nothing is started until :meth:`start` runs on the loop."""
         self.sched = sched
         self.loop = loop
@@ -198,6 +199,7 @@ class WorkerSide:
         self._peer_idle = peer_idle_timeout
         self._in_place = lookup_in_place  # lookup() may use the co-located node's direct channel
         self._lookup_payload = lookup_payload_bytes  # listener lookups ask for their blocks' bytes up to this
+        self._reply_spin = reply_spin  # a direct channel's replies are polled for this long before a sleep
         self.host_bytes = ByteCount(free=0, total=0)
         self.disk_bytes = ByteCount(free=0, total=0)
         devices = {t.device for replica in sched.blocks for shards in replica.values() for t in shards}
@@ -262,7 +264,8 @@ class WorkerSide:
             if not self.loop.in_loop():
                 raise RuntimeError(f"no client of {address}: clients are made on the loop thread")
             client = TrackedClient(address, self.namespace, token=self._token, tenant=self._tenant,
-                                   timeout=self.timeout, local=self._local_path, checksums=self._checksums)
+                                   timeout=self.timeout, local=self._local_path, checksums=self._checksums,
+                                   reply_spin=self._reply_spin)
             self.clients[address] = client
             if address != self.node_address and self._sweeper is None and not self.closed:
                 self._sweeper = asyncio.get_running_loop().create_task(

@@ -45,7 +45,7 @@ from dkv.checksum import CHECKSUM_SIZE, block_checksum, is_checksum
 from dkv.checksum import verify as checksum_matches
 from dkv.copy_threads import ChunkedCopy, PostedCopy
 from dkv.credentials import read_local_credential
-from dkv.direct_channel import ChannelBusy, ChannelClosed, DirectChannel
+from dkv.direct_channel import REPLY_SPIN, ChannelBusy, ChannelClosed, DirectChannel
 from dkv.errors import (
     AuthError,
     ChecksumMismatch,
@@ -246,6 +246,7 @@ class NodeClient:
         local: bool | None = None,
         retries: int = 3,
         checksums: bool = True,
+        reply_spin: float = REPLY_SPIN,
     ) -> None:
         self.host, self.port = parse_address(address)
         self.address = address
@@ -257,6 +258,7 @@ class NodeClient:
         self.local = local
         self.retries = retries
         self.checksums = checksums  # send each written block's checksum; check each read block against its own
+        self.reply_spin = reply_spin  # seconds a direct channel polls for each reply before it sleeps on it
         self._pool_size = pool_size
         self._idle: list[_Session] = []
         self._sessions: set[_Session] = set()  # open connections, idle or in use
@@ -824,7 +826,7 @@ class NodeClient:
         if self._closed or not isinstance(conn, StreamConnection):
             conn.abort()
             return False
-        channel = DirectChannel(conn.detach(), conn.peer, max_frame=conn.max_frame)
+        channel = DirectChannel(conn.detach(), conn.peer, max_frame=conn.max_frame, spin=self.reply_spin)
         direct = _Session(channel, session.info, session.mapping)
         with self._lock:
             self._sessions.add(direct)

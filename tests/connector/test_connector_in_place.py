@@ -81,6 +81,30 @@ def test_a_lookup_in_place_answers_as_on_the_loop_and_its_load_is_bit_exact(node
     assert reader.counters.lookups_in_place == counted + 2  # the load had begun (it landed): nothing to overtake
 
 
+@pytest.mark.parametrize("reply_spin", [0.0, 0.002], ids=["reply-waited-for", "reply-polled-first"])
+def test_the_connector_s_reply_spin_is_how_long_its_direct_channel_polls_for_each_reply(node_factory, connectors,
+                                                                                      reply_spin: float) -> None:
+    node = node_factory()
+    conn = connectors(node.address, reply_spin=reply_spin)
+    hashes = chain(2)
+    offload_chain(conn, conn._blocks, hashes)  # noqa: SLF001
+    _in_place(conn, hashes)
+    channel = conn._clients[node.address]._direct.conn  # noqa: SLF001
+    assert channel._spin_ns == int(reply_spin * 1e9)  # noqa: SLF001 (the native poll is built: test_spin_recv)
+    counted = conn.counters.lookups_in_place
+    for _ in range(5):
+        assert conn.lookup(hashes) == {"full": [True, True], "swa": [True, True]}
+    assert conn.counters.lookups_in_place == counted + 5
+    wait(conn.load({"full": [1, 2]}, {"full": hashes}))
+
+
+@pytest.mark.parametrize("reply_spin", [-1e-6, 0.011])
+def test_a_reply_spin_out_of_its_bounds_is_refused_before_anything_starts(reply_spin: float) -> None:
+    with pytest.raises(ValueError, match="reply_spin"):
+        DKVConnector(two_leaves(1), device_blocks(two_leaves(1)), namespace="ns", node="127.0.0.1:1",
+                     reply_spin=reply_spin)
+
+
 def test_with_lookup_in_place_off_every_lookup_and_load_takes_the_loop(node_factory, connectors) -> None:
     node = node_factory()
     conn = connectors(node.address, lookup_in_place=False)

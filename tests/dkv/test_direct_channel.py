@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from dkv.direct_channel import ChannelBusy, ChannelClosed, DirectChannel
+from dkv.direct_channel import REPLY_SPIN, ChannelBusy, ChannelClosed, DirectChannel
 from dkv.errors import FrameTooLarge, OpTimeout, ProtocolError, TransportError
 from dkv.local_channel import StreamConnection
 from dkv.wire import HEADER_SIZE, decode_body, decode_header, encode_body, encode_header
@@ -69,10 +69,11 @@ class FakeNode:
             pass
 
 
-@pytest.fixture
-def pair() -> Iterator[tuple[DirectChannel, socket.socket]]:
+@pytest.fixture(params=[REPLY_SPIN, 0.0], ids=["reply-polled-first", "reply-waited-for"])
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[DirectChannel, socket.socket]]:
+    """Our channel and the node's end; every test runs with the reply polled for first and without."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    channel = DirectChannel(ours, "test")
+    channel = DirectChannel(ours, "test", spin=request.param)
     yield channel, theirs
     channel.abort()
     theirs.close()

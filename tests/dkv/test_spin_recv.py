@@ -1,0 +1,87 @@
+"""The native polled receive (dkv._spin_recv.recv_spin): a direct channel's reply, seen without a wake-up.
+
+A real Unix socket pair. What the direct channel relies on: bytes already
+there are read at once; nothing within the poll is -1 (the caller then
+blocks); a closed peer is 0; a failure is an OSError; and the GIL is free
+while it polls, so the process's other threads run meanwhile.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from dkv import direct_channel
+
+pytestmark = pytest.mark.timeout(60)
+
+recv_spin = direct_channel._recv_spin  # noqa: SLF001
+
+
+def test_the_native_polled_receive_is_built() -> None:
+    assert recv_spin is not None, (
+        "dkv._spin_recv was not built: install a C compiler, then `pip install -e .` again (scripts/run.sh does both)")
+
+
+@pytest.fixture
+def sockets() -> Iterator[tuple[socket.socket, socket.socket]]:
+    if recv_spin is None:
+        pytest.skip("dkv._spin_recv is not built (test_the_native_polled_receive_is_built fails for it)")
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    yield ours, theirs
+    ours.close()
+    theirs.close()
+
+
+def test_bytes_already_there_are_read_at_once_into_the_buffer_s_start(sockets) -> None:
+    ours, theirs = sockets
+    data = os.urandom(3000)
+    theirs.sendall(data)
+    buffer = bytearray(8192)
+    got = recv_spin(ours.fileno(), buffer, 10**9)
+    assert 0 < got <= len(data) and buffer[:got] == data[:got]
+    assert bytes(buffer[got:]) == bytes(len(buffer) - got)  # nothing written past what was read
+
+
+def test_nothing_within_the_poll_is_minus_one_and_a_closed_peer_is_zero(sockets) -> None:
+    ours, theirs = sockets
+    assert recv_spin(ours.fileno(), bytearray(16), 0) == -1  # one attempt
+    assert recv_spin(ours.fileno(), bytearray(16), 2_000_000) == -1  # 2 ms of polling
+    theirs.close()
+    assert recv_spin(ours.fileno(), bytearray(16), 10**9) == 0
+
+
+def test_a_failing_receive_raises_and_a_read_only_buffer_is_refused(sockets) -> None:
+    ours, _ = sockets
+    spare = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    fd = spare.fileno()
+    spare.close()  # a descriptor no longer open
+    with pytest.raises(OSError):
+        recv_spin(fd, bytearray(16), 1_000_000)
+    with pytest.raises(TypeError):
+        recv_spin(ours.fileno(), b"read-only", 0)
+
+
+def test_other_threads_run_python_while_it_polls(sockets) -> None:
+    """The reply it polls for is sent by a thread that needs the GIL: had the poll kept it, nothing would arrive."""
+    ours, theirs = sockets
+    started = threading.Event()
+
+    def send_after_some_python() -> None:
+        started.wait(10)
+        time.sleep(0.2)  # (no GIL needed) by then the poll has most likely begun
+        total = sum(range(100_000))  # pure Python: needs the GIL
+        theirs.sendall(total.to_bytes(8, "little"))
+
+    sender = threading.Thread(target=send_after_some_python)
+    sender.start()
+    started.set()
+    buffer = bytearray(8)
+    got = recv_spin(ours.fileno(), buffer, 20 * 10**9)  # bounded: -1 after 20 s if the sender never ran
+    sender.join(10)
+    assert got > 0 and buffer[:got] == sum(range(100_000)).to_bytes(8, "little")[:got]
