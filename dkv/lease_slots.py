@@ -222,7 +222,6 @@ class LeaseSlots:
         """Whether these are bytes the node sent with the lookup's answer (it ended the lease then: nothing to end)."""
         return isinstance(self.mapping, ReceivedBlocks)
 
-
     def _plan(self, keys: Sequence[Any], sizes: Sequence[int]) -> tuple[list[int], bytes] | None:
         """Each key's slot offset, and their checksums packed in key order; ``None`` when any key cannot be copied this way.
 

@@ -84,6 +84,38 @@ async def test_a_lookup_that_asks_gets_its_blocks_and_their_load_asks_nothing_mo
     assert stats["ops"].get("read", 0) == reads_before and stats["ops"].get("end", 0) == 0  # no request at all
 
 
+async def test_an_answer_too_large_to_carry_its_blocks_sends_them_after_it_though_the_client_made_room(
+        node, clients, monkeypatch) -> None:
+    """1,024 small blocks: their sizes and checksums make the answer's body larger than an inline one."""
+    payload_receives = []
+    real_recv_payloads = transport.Connection.recv_payloads
+
+    async def recv_payloads(self: Any, *args: Any, **kwargs: Any) -> None:
+        payload_receives.append(args)
+        await real_recv_payloads(self, *args, **kwargs)
+
+    monkeypatch.setattr(transport.Connection, "recv_payloads", recv_payloads)
+    writer = clients(node.address)
+    h = [os.urandom(32) for _ in range(1024)]
+    data = {BlockKey("a", 0, x): os.urandom(64) for x in h}
+    assert (await writer.write(list(data), list(data.values()))).stored == len(data)
+    reader = clients(node.address, local=False)
+    asked = []
+    real_request_with = dkv.client._Session.request_with
+
+    async def request_with(self: Any, message: dict[str, Any], *args: Any) -> Any:
+        asked.append(message.get("inline_sent"))
+        return await real_request_with(self, message, *args)
+
+    monkeypatch.setattr(dkv.client._Session, "request_with", request_with)
+    found = await reader.lookup(h, ["a"], send=ASK)
+    assert asked == [True] and found.received and len(payload_receives) == 1
+    keys = list(data)
+    random.Random(5).shuffle(keys)
+    await _read(reader, found.lease_id, keys, data)
+    assert reader.fast_reads == 1
+
+
 async def test_blocks_over_what_was_asked_for_are_not_sent_and_load_the_two_step_way(node, clients) -> None:
     writer = clients(node.address)
     h = [os.urandom(32) for _ in range(4)]
