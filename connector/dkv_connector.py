@@ -92,12 +92,12 @@ from connector.worker_side import (
     Transfer,
     WorkerSide,
 )
-from dkv.direct_channel import REPLY_SPIN
 from dkv.errors import DKVError, OpTimeout
 from dkv.etcd import DEFAULT_CLUSTER, DEFAULT_PREFIX, EtcdSettings, Layout
 from dkv.gil import DEFAULT_SWITCH_INTERVAL, check_switch_interval, hold_switch_interval, release_switch_interval
 from dkv.keys import check_hashes, check_namespace
 from dkv.loop_thread import acquire_shared_loop, release_shared_loop
+from dkv.polling import REPLY_SPIN, check_reply_spin
 
 log = logging.getLogger(__name__)
 
@@ -183,17 +183,17 @@ class DKVConnector:
         calling thread, with no round trip (a small remote load costs one
         round trip, not two). 0 never asks. See :mod:`dkv.wire`, ``send``.
 
-        ``reply_spin`` (seconds, default :data:`dkv.direct_channel.REPLY_SPIN`,
-        0.3 ms): a :meth:`lookup` whose round trip runs on the calling thread
-        polls for the node's reply this long, without the GIL, before it
-        sleeps on it (a sleeping thread's wake-up cost ~60 µs of a ~220 µs
-        one-block same-host load here); the thread's core is busy meanwhile.
-        0 never polls.
+        ``reply_spin`` (seconds, default :data:`dkv.polling.REPLY_SPIN`, 1 ms,
+        at most 10 ms): :meth:`lookup` polls for its answer this long, without
+        the GIL, before it sleeps on it: the node's reply on the same-host
+        path, the loop thread's on the listener path (a sleeping thread's
+        wake-up cost ~60 µs of a ~220 µs one-block same-host load here; see
+        :mod:`dkv.polling`). The calling thread's core is busy meanwhile. 0
+        never polls.
         """
         if lookup_payload_bytes < 0:
             raise ValueError(f"lookup_payload_bytes must not be negative, not {lookup_payload_bytes}")
-        if not 0 <= reply_spin <= 0.01:
-            raise ValueError(f"reply_spin must be from 0 to 0.01 s, not {reply_spin}")
+        self._reply_spin = check_reply_spin(reply_spin)
         self.namespace = check_namespace(namespace)
         if gil_switch_interval is not None:
             check_switch_interval(gil_switch_interval)  # before anything starts
@@ -289,7 +289,9 @@ class DKVConnector:
         a node that does not answer in time is a miss. Raises ``ValueError`` for a
         hash that is not 8 or 32 bytes. On the same-host path the round trip
         runs on this thread when it can (no hop to the loop thread: see the
-        module docstring), with the same answer, lease and bounds.
+        module docstring), with the same answer, lease and bounds. Either way
+        the answer is polled for, without the GIL, for up to ``reply_spin``
+        before this thread sleeps on it (:mod:`dkv.polling`).
         """
         sched, worker = self._sched, self._worker
         hashes = check_hashes(block_hashes)
@@ -316,7 +318,8 @@ class DKVConnector:
                 if left <= 0:
                     sched.budget.give_back(address, slot)
                     raise OpTimeout(f"lookup of {address}: no answer within {self.timeout:.1f}s")
-                answer = worker.loop.run(worker.lookup_on(address, hashes, group, peer, hint, slot), left)
+                answer = worker.loop.run(worker.lookup_on(address, hashes, group, peer, hint, slot), left,
+                                         spin=self._reply_spin)
             state = answer
         except Exception as exc:  # noqa: BLE001 - a dead or slow node costs a miss
             worker.unanswered(address, exc)

@@ -44,10 +44,11 @@ from connector.lease_budget import Slot
 from dkv.client import LookupResult, NodeClient
 from dkv.copy_threads import ChunkedCopy, PostedCopy
 from dkv.lease_slots import LeaseSlots, RowRun
-from dkv.direct_channel import REPLY_SPIN, ChannelBusy, ChannelClosed
+from dkv.direct_channel import ChannelBusy, ChannelClosed
 from dkv.errors import ChecksumMismatch, OpTimeout, TransportError
 from dkv.etcd import EtcdSettings, Layout, make_client
 from dkv.loop_thread import LoopThread
+from dkv.polling import REPLY_SPIN
 from dkv.router import Router
 from dkv.store import FULL
 

@@ -45,7 +45,7 @@ from dkv.checksum import CHECKSUM_SIZE, block_checksum, is_checksum
 from dkv.checksum import verify as checksum_matches
 from dkv.copy_threads import ChunkedCopy, PostedCopy
 from dkv.credentials import read_local_credential
-from dkv.direct_channel import REPLY_SPIN, ChannelBusy, ChannelClosed, DirectChannel
+from dkv.direct_channel import ChannelBusy, ChannelClosed, DirectChannel
 from dkv.errors import (
     AuthError,
     ChecksumMismatch,
@@ -65,6 +65,7 @@ from dkv.store import WRITE
 from dkv.handover import redeem
 from dkv.lease_slots import LeaseSlots, ReceivedBlocks, RowRun
 from dkv.local_channel import StreamConnection, connect_local
+from dkv.polling import REPLY_SPIN
 from dkv.transport import (INLINE_MAX, TRAILING_MAX, Connection, connect, hold_transport, progress_now,
                            release_transport)
 from dkv.units import parse_address

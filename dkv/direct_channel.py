@@ -27,7 +27,7 @@ Contract:
   (:func:`dkv.wire.decode_header`, :func:`dkv.wire.decode_body`); a bad frame
   is a :class:`~dkv.errors.ProtocolError`.
 * The reply is first polled for, without the GIL, for up to ``spin``
-  seconds (``dkv._spin_recv``; nothing where it is not built), then waited
+  seconds (:mod:`dkv.polling`; nothing where it is not built), then waited
   for in a blocking receive: a thread asleep in ``recv`` pays its core's
   wake-up when the reply lands, tens of µs on a virtual machine.
 * :attr:`closed` is a flag (no system call) and :meth:`abort` is safe from
@@ -44,19 +44,12 @@ import threading
 import time
 from typing import Any
 
+from dkv import polling
 from dkv.errors import OpTimeout, ProtocolError, TransportError
+from dkv.polling import REPLY_SPIN
 from dkv.wire import HEADER_SIZE, MAX_FRAME, decode_body, decode_header, encode_body, encode_header
 
 _FIRST_READ = 64 * 1024  # the first read of a reply: a lookup's of a few hundred hashes, header and all
-# How long a reply is polled for before the thread sleeps on it: about a same-host lookup's round trip of
-# a few hundred hashes here, so most replies are seen without a wake-up (scripts/bench.py: a one-block
-# same-host load and a lookup of 256 hashes, each with the poll and without).
-REPLY_SPIN = 300e-6
-
-try:
-    from dkv._spin_recv import recv_spin as _recv_spin
-except ImportError:  # not built: every reply is waited for in a blocking receive
-    _recv_spin = None
 _PEEK = socket.MSG_PEEK | socket.MSG_DONTWAIT  # (an enum's | costs a few µs a call: made once)
 _TIMEVAL = struct.Struct("@ll")  # struct timeval, for SO_RCVTIMEO / SO_SNDTIMEO
 # a blocking call whose kernel bound ran out fails with EAGAIN (BlockingIOError); a deadline already past
@@ -81,7 +74,7 @@ class DirectChannel:
         self._sock: socket.socket | None = sock
         self.peer = peer
         self.max_frame = max_frame
-        self._spin_ns = int(spin * 1e9) if _recv_spin is not None and spin > 0 else 0
+        self._spin_ns = polling.spin_ns(spin)
         self._lock = threading.Lock()  # held through one exchange
         self._inbox = bytearray(_FIRST_READ)  # replies are read into this (a larger one gets its own)
         self._closed = False
@@ -201,7 +194,8 @@ def _receive_frame(sock: socket.socket, inbox: bytearray, deadline: float, max_f
     """
     got = 0
     if spin_ns:
-        got = _recv_spin(sock.fileno(), inbox, min(spin_ns, int((deadline - time.monotonic()) * 1e9)))
+        assert polling.recv_spin is not None  # (spin_ns is 0 where it is not built)
+        got = polling.recv_spin(sock.fileno(), inbox, min(spin_ns, int((deadline - time.monotonic()) * 1e9)))
         if got == 0:
             raise ConnectionResetError("the node closed the connection")
         got = max(got, 0)  # -1: nothing yet

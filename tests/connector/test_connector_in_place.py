@@ -90,7 +90,7 @@ def test_the_connector_s_reply_spin_is_how_long_its_direct_channel_polls_for_eac
     offload_chain(conn, conn._blocks, hashes)  # noqa: SLF001
     _in_place(conn, hashes)
     channel = conn._clients[node.address]._direct.conn  # noqa: SLF001
-    assert channel._spin_ns == int(reply_spin * 1e9)  # noqa: SLF001 (the native poll is built: test_spin_recv)
+    assert channel._spin_ns == int(reply_spin * 1e9)  # noqa: SLF001 (the native poll is built: test_polling)
     counted = conn.counters.lookups_in_place
     for _ in range(5):
         assert conn.lookup(hashes) == {"full": [True, True], "swa": [True, True]}
@@ -98,7 +98,28 @@ def test_the_connector_s_reply_spin_is_how_long_its_direct_channel_polls_for_eac
     wait(conn.load({"full": [1, 2]}, {"full": hashes}))
 
 
-@pytest.mark.parametrize("reply_spin", [-1e-6, 0.011])
+def test_a_lookup_through_the_loop_thread_polls_for_its_answer_as_long_as_reply_spin_says(
+        node_factory, connectors, monkeypatch) -> None:
+    node = node_factory()
+    conn = connectors(node.address, local=False, reply_spin=0.002)  # the listener path: every lookup hops
+    hashes = chain(2)
+    offload_chain(conn, conn._blocks, hashes)  # noqa: SLF001
+    worker = conn._worker  # noqa: SLF001
+    spins: list[object] = []
+    run = worker.loop.run
+
+    def recorded(coro: object, timeout: float, **kwargs: object) -> object:
+        spins.append(kwargs.get("spin"))
+        return run(coro, timeout, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(worker.loop, "run", recorded)
+    for _ in range(5):
+        assert conn.lookup(hashes) == {"full": [True, True], "swa": [True, True]}
+    assert spins == [0.002] * 5
+    wait(conn.load({"full": [1, 2]}, {"full": hashes}))
+
+
+@pytest.mark.parametrize("reply_spin", [-1e-6, 0.0101])
 def test_a_reply_spin_out_of_its_bounds_is_refused_before_anything_starts(reply_spin: float) -> None:
     with pytest.raises(ValueError, match="reply_spin"):
         DKVConnector(two_leaves(1), device_blocks(two_leaves(1)), namespace="ns", node="127.0.0.1:1",
@@ -442,9 +463,9 @@ def test_a_lookup_that_falls_back_to_the_loop_late_gets_only_what_is_left_of_its
     bounds: list[float] = []
     run = worker.loop.run
 
-    def recorded(coro: object, timeout: float) -> object:
+    def recorded(coro: object, timeout: float, **kwargs: object) -> object:
         bounds.append(timeout)
-        return run(coro, timeout)  # type: ignore[arg-type]
+        return run(coro, timeout, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(worker, "lookup_in_place", failed_late)
     monkeypatch.setattr(worker.loop, "run", recorded)

@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from dkv.direct_channel import REPLY_SPIN, ChannelBusy, ChannelClosed, DirectChannel
+from dkv.direct_channel import ChannelBusy, ChannelClosed, DirectChannel
+from dkv.polling import REPLY_SPIN
 from dkv.errors import FrameTooLarge, OpTimeout, ProtocolError, TransportError
 from dkv.local_channel import StreamConnection
 from dkv.wire import HEADER_SIZE, decode_body, decode_header, encode_body, encode_header

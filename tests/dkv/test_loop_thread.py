@@ -12,6 +12,7 @@ import concurrent.futures
 import threading
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -21,7 +22,12 @@ BOUND = 10.0  # generous: these machines are noisy
 
 
 class _BareLoopThread(LoopThread):
-    """A LoopThread that neither holds nor stops UCX: only the loop and its thread."""
+    """A LoopThread that neither holds nor stops UCX: only the loop and its thread; ``run`` polls ``spin`` by default."""
+
+    spin = 0.0
+
+    def run(self, coro: Any, timeout: float, *, spin: float | None = None) -> Any:
+        return super().run(coro, timeout, spin=self.spin if spin is None else spin)
 
     async def _init(self) -> None:
         pass
@@ -33,9 +39,11 @@ class _BareLoopThread(LoopThread):
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-@pytest.fixture
-def loop_thread() -> Iterator[LoopThread]:
+@pytest.fixture(params=[0.0, 0.002], ids=["waits-asleep", "polls-first"])
+def loop_thread(request: pytest.FixtureRequest) -> Iterator[LoopThread]:
+    """Every test runs with the caller sleeping on its lock at once, and with it polling first (dkv.polling)."""
     thread = _BareLoopThread(name="dkv-test-loop")
+    thread.spin = request.param
     yield thread
     thread.stop()
     assert not thread.alive
@@ -99,3 +107,16 @@ def test_run_on_a_stopped_loop_raises_runtime_error_and_closes_the_coroutine(loo
         warnings.simplefilter("error", RuntimeWarning)  # "coroutine ... was never awaited" would be one
         with pytest.raises(RuntimeError, match="stopped"):
             loop_thread.run(never(), BOUND)
+
+
+def test_a_caller_that_polls_sees_an_answer_that_comes_after_its_poll_and_one_that_comes_during_it(
+        loop_thread: LoopThread) -> None:
+    """Past its poll the caller sleeps on its lock as before; within it, it takes the answer as it comes."""
+    async def after(seconds: float) -> str:
+        await asyncio.sleep(seconds)
+        return "answered"
+
+    assert loop_thread.run(after(0.05), BOUND, spin=0.001) == "answered"  # polled 1 ms, then slept
+    assert loop_thread.run(after(0.001), BOUND, spin=0.5) == "answered"  # answered while it polled
+    with pytest.raises(TimeoutError, match="within 0.05s"):
+        loop_thread.run(after(3600), 0.05, spin=0.01)  # the poll counts against the bound

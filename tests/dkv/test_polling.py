@@ -1,9 +1,11 @@
-"""The native polled receive (dkv._spin_recv.recv_spin): a direct channel's reply, seen without a wake-up.
+"""The native polls (dkv.polling, dkv._spin): a blocking call's reply, seen without a wake-up.
 
-A real Unix socket pair. What the direct channel relies on: bytes already
-there are read at once; nothing within the poll is -1 (the caller then
-blocks); a closed peer is 0; a failure is an OSError; and the GIL is free
-while it polls, so the process's other threads run meanwhile.
+``recv_spin`` on a real Unix socket pair, as the direct channel uses it:
+bytes already there are read at once; nothing within the poll is -1 (the
+caller then blocks); a closed peer is 0; a failure is an OSError.
+``wait_flag``, as the loop thread's callers use it: True once another thread
+set the byte, False when the poll ran out. Both leave the GIL free while they
+poll, so the process's other threads run meanwhile.
 """
 
 from __future__ import annotations
@@ -16,22 +18,33 @@ from collections.abc import Iterator
 
 import pytest
 
-from dkv import direct_channel
+from dkv import polling
 
 pytestmark = pytest.mark.timeout(60)
 
-recv_spin = direct_channel._recv_spin  # noqa: SLF001
+recv_spin = polling.recv_spin
+wait_flag = polling.wait_flag
+native = pytest.mark.skipif(not polling.NATIVE, reason="dkv._spin is not built (test_the_native_polls_are_built fails)")
 
 
-def test_the_native_polled_receive_is_built() -> None:
-    assert recv_spin is not None, (
-        "dkv._spin_recv was not built: install a C compiler, then `pip install -e .` again (scripts/run.sh does both)")
+def test_the_native_polls_are_built() -> None:
+    assert polling.NATIVE, (
+        "dkv._spin was not built: install a C compiler, then `pip install -e .` again (scripts/run.sh does both)")
+
+
+def test_a_bound_is_taken_from_zero_to_its_most_and_nothing_polls_where_zero() -> None:
+    assert polling.check_reply_spin(0.0) == 0.0 and polling.check_reply_spin(polling.MAX_REPLY_SPIN)
+    for bad in (-1e-9, polling.MAX_REPLY_SPIN * 1.01):
+        with pytest.raises(ValueError, match="reply_spin"):
+            polling.check_reply_spin(bad)
+    assert polling.spin_ns(0.0) == 0 and polling.spin_ns(-1.0) == 0
+    assert polling.spin_ns(0.001) == (1_000_000 if polling.NATIVE else 0)
 
 
 @pytest.fixture
 def sockets() -> Iterator[tuple[socket.socket, socket.socket]]:
     if recv_spin is None:
-        pytest.skip("dkv._spin_recv is not built (test_the_native_polled_receive_is_built fails for it)")
+        pytest.skip("dkv._spin is not built (test_the_native_polls_are_built fails for it)")
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     yield ours, theirs
     ours.close()
@@ -85,3 +98,22 @@ def test_other_threads_run_python_while_it_polls(sockets) -> None:
     got = recv_spin(ours.fileno(), buffer, 20 * 10**9)  # bounded: -1 after 20 s if the sender never ran
     sender.join(10)
     assert got > 0 and buffer[:got] == sum(range(100_000)).to_bytes(8, "little")[:got]
+
+
+@native
+def test_a_flag_set_by_another_thread_ends_the_poll_and_one_never_set_runs_it_out() -> None:
+    flag = bytearray(1)
+    assert wait_flag(flag, 2_000_000) is False  # 2 ms, nobody sets it
+    assert wait_flag(bytearray(b"\x01"), 0) is True  # set already
+    with pytest.raises(ValueError):
+        wait_flag(bytearray(), 0)
+
+    def set_after_some_python() -> None:
+        time.sleep(0.2)  # (no GIL needed) by then the poll has most likely begun
+        total = sum(range(100_000))  # pure Python: needs the GIL
+        flag[0] = 1 if total else 0
+
+    setter = threading.Thread(target=set_after_some_python)
+    setter.start()
+    assert wait_flag(flag, 20 * 10**9) is True  # bounded: False after 20 s had the poll kept the GIL
+    setter.join(10)
