@@ -47,20 +47,27 @@ async def _read(reader: Any, lease_id: int, keys: list[BlockKey], data: dict[Blo
     assert [bytes(d) for d in dests] == [data[k] for k in keys]
 
 
+@pytest.fixture
+def payload_receives(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every payload receive this process's UCX connections post (the blocks not in an answer's own message)."""
+    posted: list[Any] = []
+    real_recv_payloads = transport.Connection.recv_payloads
+
+    async def recv_payloads(self: Any, *args: Any, **kwargs: Any) -> None:
+        posted.append(args)
+        await real_recv_payloads(self, *args, **kwargs)
+
+    monkeypatch.setattr(transport.Connection, "recv_payloads", recv_payloads)
+    return posted
+
+
 @pytest.mark.parametrize("one_message", [True, False], ids=["in-the-answer-s-message", "after-the-answer"])
 async def test_a_lookup_that_asks_gets_its_blocks_and_their_load_asks_nothing_more(node, clients, monkeypatch,
+                                                                                  payload_receives: list[Any],
                                                                                   one_message: bool) -> None:
     """The blocks come in the answer's own UCX message where the client made room, else as payload messages after it."""
     if not one_message:
         monkeypatch.setattr(dkv.client, "TRAILING_MAX", 0)  # the client makes no room: the node sends them after
-    payload_receives = []
-    real_recv_payloads = transport.Connection.recv_payloads
-
-    async def recv_payloads(self: Any, *args: Any, **kwargs: Any) -> None:
-        payload_receives.append(args)
-        await real_recv_payloads(self, *args, **kwargs)
-
-    monkeypatch.setattr(transport.Connection, "recv_payloads", recv_payloads)
     writer = clients(node.address)
     h = [os.urandom(32) for _ in range(5)]
     # two leaves, two shards; "b" lacks h[1] and h[3] (not a prefix): the blocks come leaf by leaf,
@@ -85,16 +92,8 @@ async def test_a_lookup_that_asks_gets_its_blocks_and_their_load_asks_nothing_mo
 
 
 async def test_an_answer_too_large_to_carry_its_blocks_sends_them_after_it_though_the_client_made_room(
-        node, clients, monkeypatch) -> None:
+        node, clients, monkeypatch, payload_receives: list[Any]) -> None:
     """1,024 small blocks: their sizes and checksums make the answer's body larger than an inline one."""
-    payload_receives = []
-    real_recv_payloads = transport.Connection.recv_payloads
-
-    async def recv_payloads(self: Any, *args: Any, **kwargs: Any) -> None:
-        payload_receives.append(args)
-        await real_recv_payloads(self, *args, **kwargs)
-
-    monkeypatch.setattr(transport.Connection, "recv_payloads", recv_payloads)
     writer = clients(node.address)
     h = [os.urandom(32) for _ in range(1024)]
     data = {BlockKey("a", 0, x): os.urandom(64) for x in h}
