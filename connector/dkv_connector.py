@@ -23,14 +23,14 @@ Who calls what (the seed, ``KVConnector-protocol.txt``, is the contract):
   shared by every connector of the process) runs every round trip: leased
   lookups, reads, writes, touches, stats. The connector owns the tasks it
   starts there and cancels what is left of them at shutdown. The one
-  exception: ``lookup()`` of the co-located node on the same-host path runs
-  its round trip on the calling thread, over a control connection taken off
-  the loop (:mod:`dkv.direct_channel`), when one is open and no load it
-  posted there is still waiting to begin
+  exception: ``lookup()`` runs its round trip on the calling thread, over a
+  control connection to the node taken off the loop (:mod:`dkv.direct_channel`:
+  the node's same-host control socket, or its TCP one on the listener path),
+  when one is open and no load it posted is still waiting to begin
   (:meth:`~connector.worker_side.WorkerSide.lookup_in_place`); otherwise, and
   whenever that channel fails, it runs on the loop as above. Likewise a
-  same-host load into CPU rows is copied out of its lease's slots without the
-  loop (a checked memcpy, no I/O:
+  load into CPU rows is copied out of its lease's slots (same-host), or out
+  of the bytes its lookup brought (listener), without the loop (a checked memcpy, no I/O:
   :meth:`~connector.worker_side.WorkerSide.load_in_place`): a small one on the
   calling thread, a larger one on the process's **copy threads**
   (:mod:`dkv.copy_threads`), to which the calling thread posts it.
@@ -163,10 +163,11 @@ class DKVConnector:
         one connector per registry), until :meth:`shutdown`. Without one,
         :meth:`prometheus_registry` makes one on request.
 
-        ``lookup_in_place`` (default on): :meth:`lookup` of the co-located
-        node on the same-host path runs its round trip on the calling thread
-        when it can, and a small same-host load into CPU rows is copied there
-        too (see the module docstring); off, both always go through the loop thread.
+        ``lookup_in_place`` (default on): :meth:`lookup` runs its round trip
+        on the calling thread when it can, and a small load into CPU rows
+        from a same-host lease or from bytes its lookup brought is copied
+        there too (see the module docstring); off, both always go through
+        the loop thread.
 
         ``gil_switch_interval`` (seconds, default :data:`dkv.gil.DEFAULT_SWITCH_INTERVAL`):
         until :meth:`shutdown`, the interpreter's GIL switch interval is at
@@ -287,8 +288,8 @@ class DKVConnector:
         Blocks the calling thread for one round trip, bounded by ``timeout``
         (plus a second for the hop to the loop thread), however it gets there;
         a node that does not answer in time is a miss. Raises ``ValueError`` for a
-        hash that is not 8 or 32 bytes. On the same-host path the round trip
-        runs on this thread when it can (no hop to the loop thread: see the
+        hash that is not 8 or 32 bytes. The round trip runs on this thread
+        when it can (a direct channel, no hop to the loop thread: see the
         module docstring), with the same answer, lease and bounds. Either way
         the answer is polled for, without the GIL, for up to ``reply_spin``
         before this thread sleeps on it (:mod:`dkv.polling`).
@@ -311,7 +312,7 @@ class DKVConnector:
         state: LeaseState | None
         started = time.monotonic()
         try:
-            answer = worker.lookup_in_place(address, hashes, group, hint, slot)  # no hop, when it can
+            answer = worker.lookup_in_place(address, hashes, group, peer, hint, slot)  # no hop, when it can
             if answer is InPlace.NOT_TAKEN:
                 # one bound for the whole call: a direct channel that failed late leaves the loop the rest
                 left = self.timeout + 1 - (time.monotonic() - started)

@@ -168,7 +168,7 @@ class ConnectorCounters:
     lookups: int = 0
     lookup_failures: int = 0
     lookups_skipped: int = 0  # the co-located node failed to answer recently: a miss without asking
-    lookups_in_place: int = 0  # lookup() calls answered on the calling thread (the direct channel), in lookups too
+    lookups_in_place: int = 0  # lookup() calls answered on the calling thread (a direct channel), in lookups too
     blocks_reported: int = 0
     hits_local: int = 0
     hits_peer: int = 0

@@ -11,7 +11,7 @@ The scheduler thread reaches it only through the methods marked "scheduler
 thread" or "any thread", which validate nothing (the scheduler side did) and
 only hand work to the loop: :meth:`WorkerSide.submit` (a coroutine, with a
 future) and :meth:`WorkerSide.call_soon` (a plain callback). The exceptions
-are the co-located node's work without the loop
+are the lookups and loads without the loop
 (:meth:`WorkerSide.lookup_in_place`, and :meth:`WorkerSide.load_in_place`,
 which posts large same-host copies to :mod:`dkv.copy_threads`, where they
 complete). Bookkeeping goes back to the scheduler side
@@ -198,7 +198,7 @@ class WorkerSide:
         self._etcd = etcd
         self._layout = layout
         self._peer_idle = peer_idle_timeout
-        self._in_place = lookup_in_place  # lookup() may use the co-located node's direct channel
+        self._in_place = lookup_in_place  # lookup() may use a node's direct channel (same-host or TCP)
         self._lookup_payload = lookup_payload_bytes  # listener lookups ask for their blocks' bytes up to this
         self._reply_spin = reply_spin  # a direct channel's replies are polled for this long before a sleep
         self.host_bytes = ByteCount(free=0, total=0)
@@ -227,10 +227,10 @@ class WorkerSide:
         self._wake_lock = threading.Lock()  # the pipe's write end is not closed under a writer
         self._wake_fd = -1  # write end of the wake pipe, once the loop reads it (start)
         self._wake_read_fd = -1
-        # loads of the co-located node's leases posted (scheduler thread) and begun on the loop thread
-        # (their slot maps taken): a lookup runs in place only while the two are equal (see lookup_in_place)
-        self._local_loads_posted = 0
-        self._local_loads_begun = 0
+        # loads posted (scheduler thread) and begun on the loop thread (their slot maps taken): a lookup
+        # runs in place only while the two are equal (see lookup_in_place)
+        self._loads_posted = 0
+        self._loads_begun = 0
         self._copies: set[ChunkedCopy | PostedCopy] = set()  # loads on the copy threads (load_in_place): waited for at close
 
     # ---- start, clients --------------------------------------------------------------------------
@@ -397,25 +397,27 @@ class WorkerSide:
             self.sched.count(checksum_failures=1)
         return self._padded(result, fits, len(hashes))
 
-    def lookup_in_place(self, address: str, hashes: list[bytes], group: int, hint: bytes | None,
+    def lookup_in_place(self, address: str, hashes: list[bytes], group: int, peer: bool, hint: bytes | None,
                         slot: Slot | None) -> LeaseState | None | InPlace:
-        """Scheduler thread: :meth:`lookup_on` for the co-located node, on this thread, over its direct channel.
+        """Scheduler thread: :meth:`lookup_on`, on this thread, over the node's direct channel.
 
         One blocking exchange (:meth:`dkv.client.NodeClient.lookup_direct`),
-        bounded by the client's timeout, with no hop to the loop thread. It
-        answers :data:`InPlace.NOT_TAKEN` when it did not look up, having
-        given back any budget slot it took itself (``slot``, one passed on,
-        stays the caller's): not the co-located node, no direct channel open
-        (one is asked for, in the background), a load of this connector
-        posted to the node but not yet begun (a lookup here could otherwise
-        overtake it and end the lease it is about to read: on the loop thread
-        the load goes first), a lookup the channel does not take, or a
-        connection that failed mid-exchange (a leased lookup is idempotent:
-        the loop thread asks again, with its retries). A timeout (a hung
-        node) or an error reply raises, with the slot given back, as
+        bounded by the client's timeout, with no hop to the loop thread: over
+        the node's same-host control socket, or its TCP one on the listener
+        path (where, as on the loop, the lookup asks for its blocks' bytes:
+        ``lookup_payload_bytes``). It answers :data:`InPlace.NOT_TAKEN` when
+        it did not look up, having given back any budget slot it took itself
+        (``slot``, one passed on, stays the caller's): no client of the node
+        yet, no direct channel open (one is asked for, in the background), a
+        load of this connector posted but not yet begun (a lookup here could
+        otherwise overtake it and end the lease it is about to read: on the
+        loop thread the load goes first), a lookup the channel does not take,
+        or a connection that failed mid-exchange (a leased lookup is
+        idempotent: the loop thread asks again, with its retries). A timeout
+        (a hung node) or an error reply raises, with the slot given back, as
         :meth:`lookup_on` does.
         """
-        if not self._in_place or address != self.node_address or self.closed:
+        if not self._in_place or self.closed:
             return InPlace.NOT_TAKEN
         client = self.clients.get(address)
         if client is None or client.info is None:
@@ -424,7 +426,7 @@ class WorkerSide:
             if client.direct_possible:
                 self.call_soon(client.want_direct)
             return InPlace.NOT_TAKEN
-        if self._local_loads_begun != self._local_loads_posted:
+        if self._loads_begun != self._loads_posted:
             return InPlace.NOT_TAKEN
         limits = client.info.limits
         taken = slot is None
@@ -434,7 +436,8 @@ class WorkerSide:
                 return None
         fits = self._lookup_fits(client, len(hashes))
         try:
-            result = client.lookup_direct(hashes[:fits], self.sched.leaf_names, self.sched.tp_shards, group=group)
+            result = client.lookup_direct(hashes[:fits], self.sched.leaf_names, self.sched.tp_shards, group=group,
+                                          send=self._lookup_payload)
         except OpTimeout:
             self.sched.budget.give_back(address, slot)
             raise
@@ -449,8 +452,11 @@ class WorkerSide:
             raise
         client.last_used = time.monotonic()
         self.sched.count(lookups_in_place=1)
-        return self.sched.granted(address, slot, hashes, hint, False, self._padded(result, fits, len(hashes)).masks,
-                                  result.lease_id, float(limits.get("lease_ttl", 10.0)), client.lease_generation)
+        if result.rejected:  # sent with the answer, failed their checksums: reported absent by the client
+            self.sched.count(checksum_failures=1)
+        return self.sched.granted(address, slot, hashes, hint, peer, self._padded(result, fits, len(hashes)).masks,
+                                  result.lease_id, float(limits.get("lease_ttl", 10.0)), client.lease_generation,
+                                  received=result.received)
 
     async def lookup_handle(self, address: str, hashes: list[bytes], group: int, peer: bool,
                             hint: bytes | None) -> LeaseState | None:
@@ -539,8 +545,7 @@ class WorkerSide:
             self.sched.count_load_failure(None)
             self.release(state)
             raise KVLoadFailed(f"could not post the load: {exc}") from exc
-        if not state.peer:
-            self._local_loads_posted += 1  # after the submit: _read counts it begun (see lookup_in_place)
+        self._loads_posted += 1  # after the submit: _read counts it begun (see lookup_in_place)
         self.sched.count(loads=1)
         transfer = Transfer(future, is_load=True)
         self._book(transfer)
@@ -698,8 +703,7 @@ class WorkerSide:
             client = self.clients.get(state.address)
             return client.claim_slots(state.lease_id) if client is not None and state.lease_id is not None else None
         finally:
-            if not state.peer:
-                self._local_loads_begun += 1
+            self._loads_begun += 1
 
     async def _read(self, state: LeaseState, plan: TransferPlan) -> Completion:
         """Loop thread: read a lease's blocks into the plan's rows (the read ends the lease on the node)."""

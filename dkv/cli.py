@@ -59,6 +59,16 @@ def setup_logging(level: str) -> None:
     logging.basicConfig(level=name, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+def _peer_control_port(value: str) -> int | None:
+    """``--peer-control-port``: a port number (0: a free one) or ``off``."""
+    if value.strip().lower() == "off":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"--peer-control-port takes a port number or off, not {value!r}") from None
+
+
 def _console() -> Console:
     """Stdout console; wide enough for the tables when stdout is not a terminal."""
     console = Console()
@@ -150,6 +160,7 @@ def serve(
     idle_timeout: Annotated[float, typer.Option(help="Seconds a connection may sit idle; then it is closed once it holds nothing live (clients reconnect by themselves).")] = 60.0,
     max_cost: Annotated[int, typer.Option(help="Hashes x leaves x shards one lookup, probe or touch may cost; more is refused (clients split unleased ones).")] = 16384,
     max_lookup_payload: Annotated[str, typer.Option(help="Block bytes a leased lookup's answer may carry for a client that asks (its load then needs no round trip); 0: never.")] = "1MiB",
+    peer_control_port: Annotated[str, typer.Option(help="TCP port, on the --listen host, of the control socket clients on other hosts use for lookups on their calling thread (0: a free one, announced in the handshake; off: none).")] = "0",
     etcd: Annotated[Optional[str], typer.Option(help="etcd endpoints URL[,URL...]: join a cluster (membership + directory).")] = None,
     cluster: Annotated[str, typer.Option(help="Cluster name (etcd keys live under PREFIX/CLUSTER/).")] = "default",
     etcd_prefix: Annotated[str, typer.Option(help="etcd key prefix.")] = "/dkv",
@@ -191,6 +202,7 @@ def serve(
             idle_timeout=idle_timeout,
             max_cost=max_cost,
             max_lookup_payload=parse_size(max_lookup_payload),
+            peer_control_port=_peer_control_port(peer_control_port),
             **({"node_id": node_id} if node_id else {}),
         )
         cluster_config = None

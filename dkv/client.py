@@ -64,7 +64,7 @@ from dkv.keys import (MAX_TP_SHARDS, BlockKey, check_hashes, check_leaf, check_n
 from dkv.store import WRITE
 from dkv.handover import redeem
 from dkv.lease_slots import LeaseSlots, ReceivedBlocks, RowRun
-from dkv.local_channel import StreamConnection, connect_local
+from dkv.stream_channel import StreamConnection, connect_local, connect_tcp
 from dkv.polling import REPLY_SPIN
 from dkv.transport import (INLINE_MAX, TRAILING_MAX, Connection, connect, hold_transport, progress_now,
                            release_transport)
@@ -131,6 +131,25 @@ class LookupResult:
     received: bool = False
     # of those, the blocks that failed their checksum: reported absent, nothing of them kept
     rejected: int = 0
+
+
+class _SentBlocks:
+    """The blocks a lookup's answer brings, as received: where each lies, and whether its checksum matched."""
+
+    def __init__(self, lease_id: int, masks: dict[str, list[bool]], places: list[tuple[str, int]], shards: int,
+                 hashes: Sequence[bytes], sizes: list[int], sums: list[Any], received: ReceivedBlocks,
+                 views: list[memoryview]) -> None:
+        self.lease_id, self.masks, self.places, self.shards, self.hashes = lease_id, masks, places, shards, hashes
+        self.sizes, self.sums, self.received, self.views = sizes, sums, received, views
+        self.verdicts = [False] * len(sizes)
+
+    def check(self, start: int, stop: int) -> None:
+        """Check blocks ``start``..``stop`` against their checksums (as each run lands, while the rest arrives)."""
+        places, shards, hashes, views, sums, verdicts = (self.places, self.shards, self.hashes, self.views, self.sums,
+                                                         self.verdicts)
+        for k in range(start, stop):
+            leaf, i = places[k // shards]
+            verdicts[k] = checksum_matches(leaf, k % shards, hashes[i], views[k], sums[k])
 
 
 @dataclass(frozen=True)
@@ -272,6 +291,8 @@ class NodeClient:
         self._holds_transport = False  # counted as a user of UCX from the first connection until close
         self._busy = 0  # sessions checked out of the pool
         self._control: tuple[str, NodeInfo] | None = None  # the node's control socket, once met over UCX
+        # the node's TCP control port (listener path: for the direct channel only), once met over UCX
+        self._peer_control: tuple[int, NodeInfo] | None = None
         # the lease book-keeping below and the set of sessions are shared with the thread that uses the
         # direct channel (lookup_direct), so they change under this lock
         self._lock = threading.Lock()
@@ -295,7 +316,7 @@ class NodeClient:
         """A new handshaken connection: over the node's control socket when it is on this host, else UCX.
 
         The control socket's name comes from an authenticated UCX handshake
-        (:mod:`dkv.local_channel`); from then on this client opens its
+        (:mod:`dkv.stream_channel`); from then on this client opens its
         connections there, until that fails once (the node restarted, say).
         """
         if self._control is not None:
@@ -318,6 +339,9 @@ class NodeClient:
             raise
         self.info = info
         session = _Session(conn, info, mapping, self._take_ends)
+        port = reply.get("peer_control")
+        if mapping is None and type(port) is int and 0 < port < 65536:  # noqa: E721 - (bool is no port)
+            self._peer_control = (port, info)
         control = reply["shm"].get("control") if mapping is not None else None
         if isinstance(control, str):
             try:
@@ -350,6 +374,24 @@ class NodeClient:
             raise
         self.info = info
         return _Session(conn, info, mapping, self._take_ends)
+
+    async def _open_peer_control_session(self, port: int, met: NodeInfo) -> _Session:
+        """A session over the node's TCP control socket (same host as dialled, ``port``), for the direct channel.
+
+        The node must be the one ``met`` over UCX. No segment is taken (a
+        same-host node may offer one: this session is the listener path's).
+        """
+        conn = await connect_tcp(self.host, port, min(self.timeout, 2.0))
+        try:
+            reply = await handshake(conn, self.namespace, secret=self.token, tenant=self.tenant,
+                                    client_id=self.client_id, timeout=self.timeout)
+            info = NodeInfo(reply["node"], reply["epoch"], reply["host"], reply.get("limits", {}))
+            if (info.node_id, info.epoch) != (met.node_id, met.epoch):
+                raise TransportError(f"the TCP control socket of {self.address} answers as another node")
+        except BaseException:
+            conn.abort()
+            raise
+        return _Session(conn, info)
 
     async def _take_segment(self, offer: Any, info: NodeInfo) -> SegmentMapping | None:
         """Redeem the handshake's ticket for this namespace's segment (same-host path), or ``None``.
@@ -673,6 +715,25 @@ class NodeClient:
         exactly the blocks' total, and nothing more is received). A block
         that fails its checksum is reported absent (see :meth:`lookup`).
         """
+        blocks = self._sent_blocks(session, message, reply, trailing)
+        if trailing is None:
+            sizes = blocks.sizes
+            await session.conn.recv_payloads(blocks.views, self.timeout, blocks.check, reply["sent"].get("groups"))
+            if 0 in sizes:  # an empty block travels in no message: checked here
+                blocks.check(0, len(sizes))
+        else:
+            blocks.check(0, len(blocks.sizes))
+        return self._keep_sent(message, blocks)
+
+    def _sent_blocks(self, session: _Session, message: dict[str, Any], reply: dict[str, Any],
+                     trailing: memoryview | None) -> _SentBlocks:
+        """The blocks a lookup's ``reply`` says it sends, checked against the request; views into their buffer.
+
+        The buffer is ``trailing`` (the bytes already received with the
+        answer: then exactly the blocks' total) or a new one for a receive to
+        fill. :class:`ProtocolError`, with the connection aborted, where
+        they do not match the request (see :meth:`_receive_sent`).
+        """
         hashes, shards, leaves = message["hashes"], message["shards"], message["leaves"]
         masks = _unpack_masks(reply["masks"], len(hashes))
         lease_id = reply.get("lease")
@@ -694,40 +755,33 @@ class NodeClient:
         if trailing is None:
             whole = memoryview(bytearray(sum(sizes)))
             held = len(whole)
-        else:
-            whole, held = trailing, _answer_buffer(message["send"])
+        else:  # (the receive's whole buffer is held while its bytes are: room for the most the request asked)
+            whole = trailing
+            held = memoryview(trailing.obj).nbytes if trailing.obj is not None else len(trailing)
         views, at = [], 0
         for size in sizes:
             views.append(whole[at:at + size])
             at += size
-        verdicts = [False] * count
+        return _SentBlocks(lease_id, masks, places, shards, hashes, sizes, sums, ReceivedBlocks(whole, held), views)
 
-        def check(start: int, stop: int) -> None:  # as each run lands, while the rest arrives (as a read's blocks)
-            for k in range(start, stop):
-                leaf, i = places[k // shards]
-                verdicts[k] = checksum_matches(leaf, k % shards, hashes[i], views[k], sums[k])
-
-        if trailing is None:
-            await session.conn.recv_payloads(views, self.timeout, check, sent.get("groups"))
-            if 0 in sizes:  # an empty block travels in no message: checked here
-                check(0, count)
-        else:
-            check(0, count)
-        slots = LeaseSlots.received_with_lookup(ReceivedBlocks(whole, held), hashes, shards, masks, sizes, sums,
+    def _keep_sent(self, message: dict[str, Any], blocks: _SentBlocks) -> LookupResult:
+        """The lookup's answer once its sent blocks were checked: failed ones reported absent, the rest kept for the load."""
+        hashes, masks, places, shards, verdicts = blocks.hashes, blocks.masks, blocks.places, blocks.shards, blocks.verdicts
+        slots = LeaseSlots.received_with_lookup(blocks.received, hashes, shards, masks, blocks.sizes, blocks.sums,
                                                 verdicts)
         rejected = verdicts.count(False)
         if rejected:
-            for k in itertools.compress(range(count), map(operator.not_, verdicts)):
+            for k in itertools.compress(range(len(verdicts)), map(operator.not_, verdicts)):
                 leaf, i = places[k // shards]
                 masks[leaf][i] = False
             leaf, i = places[verdicts.index(False) // shards]
             log.warning("%d of %d block(s) %s sent with a lookup's answer do not match their checksum (first: "
-                        "leaf %r, hash %s): corrupted or substituted, reported absent", rejected, count,
+                        "leaf %r, hash %s): corrupted or substituted, reported absent", rejected, len(verdicts),
                         self.address, leaf, hashes[i].hex())
         with self._lock:
             self.lookups_with_payload += 1
-        self._remember_slots(lease_id, message["group"], slots)
-        return LookupResult(masks, lease_id, received=True, rejected=rejected)
+        self._remember_slots(blocks.lease_id, message["group"], slots)
+        return LookupResult(masks, blocks.lease_id, received=True, rejected=rejected)
 
     def _leased_answer(self, message: dict[str, Any], mapping: SegmentMapping | None, reply: dict[str, Any],
                        sent_at: float) -> LookupResult:
@@ -761,7 +815,7 @@ class NodeClient:
             self._received_bytes -= slots.mapping.held
         return slots
 
-    # ---- the direct channel (same-host leased lookups on the calling thread) ----------------------
+    # ---- the direct channel (leased lookups on the calling thread) ----------------------------------
 
     @property
     def direct_ready(self) -> bool:
@@ -773,12 +827,16 @@ class NodeClient:
     def direct_possible(self) -> bool:
         """Any thread: True when :meth:`want_direct` would start opening a channel now (a cheap check: no I/O).
 
-        Only on the same-host path (the node's control socket is known), with
-        checksums (a direct lookup's slot map is proven by them), with no
-        channel open or opening, and no attempt in the last ``DIRECT_RETRY_AFTER``
-        s (twice that after a failed attempt, and so on up to ``DIRECT_RETRY_MAX``).
+        Only where the node announced a control socket this client may use:
+        its same-host one on the same-host path, its TCP one
+        (``peer_control``) on the listener path. With checksums (a direct
+        lookup's slot map, and the blocks it may bring, are proven by them),
+        with no channel open or opening, and no attempt in the last
+        ``DIRECT_RETRY_AFTER`` s (twice that after a failed attempt, and so on
+        up to ``DIRECT_RETRY_MAX``).
         """
-        return (not self._closed and self._control is not None and self.checksums and not self.direct_ready
+        return (not self._closed and (self._control is not None or self._peer_control is not None)
+                and self.checksums and not self.direct_ready
                 and self._direct_opening is None
                 and time.monotonic() - self._direct_tried_at >= self._direct_retry_after)
 
@@ -809,20 +867,26 @@ class NodeClient:
     async def open_direct(self) -> bool:
         """Loop thread: open the direct channel now; True when one is open after.
 
-        It is one more connection over the node's control socket, with the
-        same handshake and the same client id (so the node counts it among
-        this client's connections: its leases stay this client's, and end
-        only when the last of them closes) and the same segment, then taken
-        off the loop (:class:`dkv.direct_channel.DirectChannel`). Only on the
-        same-host path, with checksums. Raises what opening a connection
-        raises (:class:`~dkv.errors.NodeBusy` at the node's connection cap, say).
+        It is one more connection over the node's control socket (same-host
+        path) or its TCP one (listener path), with the same handshake and the
+        same client id (so the node counts it among this client's
+        connections: its leases stay this client's, and end only when the
+        last of them closes) and, same-host, the same segment, then taken
+        off the loop (:class:`dkv.direct_channel.DirectChannel`). With
+        checksums only. Raises what opening a connection raises
+        (:class:`~dkv.errors.NodeBusy` at the node's connection cap, say).
         """
         if self.direct_ready:
             return True
         self._direct_tried_at = time.monotonic()
-        if self._closed or self._control is None or not self.checksums:
+        if self._closed or not self.checksums:
             return False
-        session = await self._open_local_session(*self._control)
+        if self._control is not None:
+            session = await self._open_local_session(*self._control)
+        elif self._peer_control is not None:
+            session = await self._open_peer_control_session(*self._peer_control)
+        else:
+            return False
         conn = session.conn
         if self._closed or not isinstance(conn, StreamConnection):
             conn.abort()
@@ -839,13 +903,15 @@ class NodeClient:
         return True
 
     def lookup_direct(self, hashes: Sequence[bytes], leaves: Sequence[str], shards: int = 1, *,
-                      group: int = 0) -> LookupResult:
+                      group: int = 0, send: int = 0) -> LookupResult:
         """Calling thread: a leased :meth:`lookup` over the direct channel, one blocking round trip within ``timeout``.
 
         It answers as :meth:`lookup` would (the same request, the same
         checks of the reply), keeps the lease's slot map for its load the same
         way, and carries the loaded leases to end (``ends``) as any request
-        does. It raises :class:`~dkv.direct_channel.ChannelClosed` or
+        does. ``send`` as :meth:`lookup`'s: on the listener path the blocks
+        come right after the answer on the channel's stream, checked and
+        kept the same way. It raises :class:`~dkv.direct_channel.ChannelClosed` or
         :class:`~dkv.direct_channel.ChannelBusy` when the node did not see
         the request (no channel, another thread on it, the node closed it, or
         one larger than this path sends: see :meth:`_fits_one_request`), so
@@ -863,13 +929,15 @@ class NodeClient:
         fields = self._presence_fields(hashes, leaves, shards)
         if not self._fits_one_request(len(fields["hashes"]), len(fields["leaves"]), shards):
             raise ChannelBusy("a lookup near the node's limits is sized on the loop")
-        message, mapping = self._leased_request(direct, {"op": "lookup", **fields, "lease": True, "group": group})
+        extra = {"send": send} if send > 0 else {}
+        message, mapping = self._leased_request(direct, {"op": "lookup", **fields, "lease": True, "group": group,
+                                                         **extra})
         ends = self._take_ends()
         if ends:
             message["ends"] = ends
         sent_at = time.monotonic()
         try:
-            reply = channel.exchange(message, self.timeout)
+            reply, payload = channel.exchange_with(message, self.timeout, message.get("send", 0))
         except BaseException as exc:
             if ends and isinstance(exc, (ChannelClosed, ChannelBusy)):
                 with self._lock:
@@ -877,7 +945,16 @@ class NodeClient:
             if channel.closed:
                 self._lost(direct)
             raise
-        return self._leased_answer(message, mapping, _check_reply(reply), sent_at)
+        reply = _check_reply(reply)
+        if payload is not None:  # (the channel read exactly what the answer's sent names: the stream is in step)
+            try:
+                blocks = self._sent_blocks(direct, message, reply, payload)
+            except ProtocolError:  # (the channel is closed: blocks that do not match the request)
+                self._lost(direct)
+                raise
+            blocks.check(0, len(blocks.sizes))
+            return self._keep_sent(message, blocks)
+        return self._leased_answer(message, mapping, reply, sent_at)
 
     def read_here(self, lease_id: int, keys: Sequence[BlockKey], dests: Sequence[Any], slots: LeaseSlots) -> bool:
         """Calling thread: :meth:`read` of a same-host lease copied right here from its slot map; True when done.

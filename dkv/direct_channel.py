@@ -1,14 +1,16 @@
-"""A same-host control connection driven from the calling thread: one blocking request and its reply.
+"""A control connection driven from the calling thread: one blocking request and its reply.
 
-A leased lookup of the co-located node blocks its caller for one round trip
-(``DKVConnector.lookup``). Through the event loop that round trip costs two
-extra thread wake-ups and the asyncio machinery on top of the node's own
-time: on a 2-core VM, 256 hashes took ~320 µs through the loop against ~190
-µs as one ``send`` and a blocking ``recv`` on the calling thread. So a client
-on the same-host path may open one more control connection, handshake it on
-the loop as any other (the same mutual proof, the same client id, so the node
-counts it among the client's connections and its leases stay the client's),
-then hand its socket here (:meth:`dkv.local_channel.StreamConnection.detach`).
+A leased lookup blocks its caller for one round trip (``DKVConnector.lookup``).
+Through the event loop that round trip costs two extra thread wake-ups and
+the asyncio machinery on top of the node's own time: on a 2-core VM, 256
+hashes took ~320 µs through the loop against ~190 µs as one ``send`` and a
+blocking ``recv`` on the calling thread. So a client may open one more
+control connection, handshake it on the loop as any other (the same mutual
+proof, the same client id, so the node counts it among the client's
+connections and its leases stay the client's), then hand its socket here
+(:meth:`dkv.stream_channel.StreamConnection.detach`): the node's same-host
+control socket, or on the listener path its TCP one, where a lookup that asks
+for its blocks' bytes gets them right after the reply (:meth:`DirectChannel.exchange_with`).
 
 Contract:
 
@@ -16,7 +18,8 @@ Contract:
   once (:class:`ChannelBusy`) and takes another path; it never waits for it.
 * Every exchange is bounded by its ``timeout`` overall: the kernel's bound
   on the socket's next send or receive (``SO_SNDTIMEO``/``SO_RCVTIMEO``) is
-  set to what is left before each blocking call. A timeout raises
+  set to what is left before each blocking call (the send's, which starts
+  the exchange, to ``timeout`` itself: set again only when that changes). A timeout raises
   :class:`~dkv.errors.OpTimeout` (the node is hung).
 * Any failure closes the channel before it raises (a half-read reply leaves
   the stream out of step). A failure before the request was wholly written,
@@ -44,6 +47,8 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
+
 from dkv import polling
 from dkv.errors import OpTimeout, ProtocolError, TransportError
 from dkv.polling import REPLY_SPIN
@@ -66,7 +71,7 @@ class ChannelClosed(TransportError):
 
 
 class DirectChannel:
-    """A handshaken same-host control socket, used from the calling thread (see the module docstring)."""
+    """A handshaken control socket (same-host or TCP), used from the calling thread (see the module docstring)."""
 
     def __init__(self, sock: socket.socket, peer: str, max_frame: int = MAX_FRAME, spin: float = REPLY_SPIN) -> None:
         """``spin``: seconds each reply is polled for before a blocking receive (0: none; see the module docstring)."""
@@ -78,6 +83,7 @@ class DirectChannel:
         self._lock = threading.Lock()  # held through one exchange
         self._inbox = bytearray(_FIRST_READ)  # replies are read into this (a larger one gets its own)
         self._closed = False
+        self._send_bound = -1.0  # the timeout the socket's send bound was last set for
         self.exchanges = 0
 
     @property
@@ -87,6 +93,21 @@ class DirectChannel:
 
     def exchange(self, message: dict[str, Any], timeout: float) -> dict[str, Any]:
         """Send ``message`` and return the node's reply (decoded, not yet judged), within ``timeout`` seconds."""
+        return self.exchange_with(message, timeout)[0]
+
+    def exchange_with(self, message: dict[str, Any], timeout: float,
+                      room: int = 0) -> tuple[dict[str, Any], memoryview | None]:
+        """:meth:`exchange`, and the block bytes that follow a reply that names them (``sent``), within ``timeout``.
+
+        ``room``: the most bytes the request asked to be sent (a leased
+        lookup's ``send``; 0: none). A reply with ``sent`` is followed on the
+        stream by exactly the total of its ``sizes``, read here into a buffer
+        of their own (the second item; ``None`` without ``sent``). A ``sent``
+        that is not a list of sizes, or names more than ``room``, or one
+        that comes unasked, is a :class:`~dkv.errors.ProtocolError` (the
+        stream is out of step: the channel is closed); whether the sizes
+        match the request is the caller's to judge.
+        """
         if not self._lock.acquire(blocking=False):
             raise ChannelBusy(f"the direct channel to {self.peer} is in use")
         try:
@@ -99,7 +120,9 @@ class DirectChannel:
             deadline = time.monotonic() + timeout
             body = encode_body(message)
             try:
-                _bounded(sock, deadline, socket.SO_SNDTIMEO)
+                if self._send_bound != timeout:  # the send starts the exchange: its bound is the whole timeout
+                    _bounded(sock, deadline, socket.SO_SNDTIMEO)
+                    self._send_bound = timeout
                 sock.sendall(encode_header(len(body)) + body)
             except OSError as exc:
                 self._fail()
@@ -107,7 +130,16 @@ class DirectChannel:
                     raise OpTimeout(f"send to {self.peer} timed out after {timeout:.1f}s") from exc
                 raise ChannelClosed(f"send to {self.peer} failed: {exc}") from exc
             try:
-                reply = decode_body(_receive_frame(sock, self._inbox, deadline, self.max_frame, self._spin_ns))
+                # with room asked, into a buffer of its own that also holds the bytes (read with the reply, if they
+                # are there by then, and kept: not zeroed, as only what is read is ever looked at)
+                inbox = memoryview(np.empty(_FIRST_READ + room, np.uint8)) if room > 0 else memoryview(self._inbox)
+                buffer, end, got = _receive_frame(sock, inbox, deadline, self.max_frame, self._spin_ns,
+                                                  bytes_may_follow=room > 0)
+                reply = decode_body(buffer[HEADER_SIZE:end])
+                sent = _sent_bytes(reply, room)
+                if sent is None and got > end:
+                    raise ProtocolError(f"{got - end} bytes past the reply's frame: the stream is out of step")
+                payload = None if sent is None else _receive_bytes(sock, buffer, end, got, sent, deadline)
             except _TIMED_OUT as exc:
                 self._fail()
                 raise OpTimeout(f"receive from {self.peer} timed out after {timeout:.1f}s") from exc
@@ -118,7 +150,7 @@ class DirectChannel:
                 self._fail()
                 raise
             self.exchanges += 1
-            return reply
+            return reply, payload
         finally:
             self._lock.release()
             if self._closed:
@@ -180,17 +212,20 @@ def _bounded(sock: socket.socket, deadline: float, option: int) -> None:
     sock.setsockopt(socket.SOL_SOCKET, option, _TIMEVAL.pack(seconds, micros))
 
 
-def _receive_frame(sock: socket.socket, inbox: bytearray, deadline: float, max_frame: int,
-                   spin_ns: int = 0) -> memoryview:
-    """One framed message's body, before ``deadline``; ``ConnectionResetError`` when the stream ends first.
+def _receive_frame(sock: socket.socket, inbox: memoryview, deadline: float, max_frame: int,
+                   spin_ns: int = 0, *, bytes_may_follow: bool = False) -> tuple[memoryview, int, int]:
+    """One framed message, before ``deadline``: ``(buffer, end, got)``; ``ConnectionResetError`` when the stream ends first.
 
-    Read into ``inbox`` (reused: the body is decoded before the next
-    exchange), where header and body usually come in one read; the first
-    read is polled for up to ``spin_ns`` (never past ``deadline``) before a
-    blocking one. The node sends nothing unasked, so a byte past the frame
-    means the stream is out of step: a :class:`~dkv.errors.ProtocolError`.
-    The header is checked (its bound included) before a body larger than
-    ``inbox`` is allocated.
+    The frame is ``buffer[:end]`` (header, then body); ``got`` bytes were
+    read into ``buffer``. It is ``inbox`` (the caller's: its body is decoded
+    before the next exchange), where header and body usually come in one
+    read, or, for a frame larger than ``inbox``, a buffer of its own. The
+    first read is polled for up to ``spin_ns`` (never past ``deadline``)
+    before a blocking one. The node sends nothing unasked, so a byte past the
+    frame means the stream is out of step (a :class:`~dkv.errors.ProtocolError`)
+    unless ``bytes_may_follow`` (a request that asked for block bytes after
+    its reply): then they are ``buffer[end:got]``. The header is checked (its
+    bound included) before a body larger than ``inbox`` is allocated.
     """
     got = 0
     if spin_ns:
@@ -199,18 +234,55 @@ def _receive_frame(sock: socket.socket, inbox: bytearray, deadline: float, max_f
         if got == 0:
             raise ConnectionResetError("the node closed the connection")
         got = max(got, 0)  # -1: nothing yet
-    got = _fill(sock, memoryview(inbox), got, HEADER_SIZE, deadline)
+    got = _fill(sock, inbox, got, HEADER_SIZE, deadline)
     length = decode_header(bytes(inbox[:HEADER_SIZE]), max_frame)
     total = HEADER_SIZE + length
-    if got > total:
+    if got > total and not bytes_may_follow:
         raise ProtocolError(f"{got - total} bytes past the reply's frame: the stream is out of step")
-    if total > len(inbox):
-        larger = bytearray(total)
+    if total > len(inbox):  # (then got < total: nothing past the frame was read)
+        larger = memoryview(bytearray(total))
         larger[:got] = inbox[:got]
         inbox = larger
-    view = memoryview(inbox)[:total]
-    _fill(sock, view, got, total, deadline)
-    return view[HEADER_SIZE:]
+    got = _fill(sock, inbox, got, total, deadline)
+    return inbox, total, got
+
+
+def _sent_bytes(reply: Any, room: int) -> int | None:
+    """How many block bytes follow ``reply`` on the stream (its ``sent`` sizes' total); ``None`` when none do.
+
+    :class:`~dkv.errors.ProtocolError` for ``sent`` in a reply to a request
+    that asked for none (``room`` 0), sizes that are not byte counts, or more
+    bytes than ``room``.
+    """
+    sent = reply.get("sent") if isinstance(reply, dict) else None
+    if sent is None:
+        return None
+    sizes = sent.get("sizes") if isinstance(sent, dict) else None
+    if (room <= 0 or not isinstance(sizes, list)
+            or not all(type(size) is int and size >= 0 for size in sizes)):  # noqa: E721 - bool is no size
+        raise ProtocolError("a reply names block bytes the request did not ask for, or not as sizes")
+    total = sum(sizes)
+    if total > room:
+        raise ProtocolError(f"a reply names {total} block bytes after it; at most {room} were asked for")
+    return total
+
+
+def _receive_bytes(sock: socket.socket, buffer: memoryview, at: int, got: int, count: int,
+                   deadline: float) -> memoryview:
+    """The ``count`` bytes that follow a reply ending at ``buffer[at]`` (``got`` bytes of ``buffer`` read so far).
+
+    Read on into ``buffer`` where they fit (so nothing is copied), else into
+    a buffer of their own.
+    """
+    if got - at > count:
+        raise ProtocolError(f"{got - at - count} bytes past the reply's blocks: the stream is out of step")
+    if at + count <= len(buffer):
+        _fill(sock, buffer, got, at + count, deadline)
+        return buffer[at:at + count]
+    own = memoryview(bytearray(count))
+    own[:got - at] = buffer[at:got]
+    _fill(sock, own, got - at, count, deadline)
+    return own
 
 
 def _fill(sock: socket.socket, view: memoryview, got: int, at_least: int, deadline: float) -> int:

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dkv.errors import TransportError
-from dkv.local_channel import listen_abstract
+from dkv.stream_channel import listen_abstract
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from dkv.credentials import CLUSTER, Credential, Credentials, LocalCredential, Q
 from dkv.disk_tier import DiskTier
 from dkv.disk_worker import DiskWorker
 from dkv.handover import HandoverServer
-from dkv.local_channel import LocalListener, StreamConnection
+from dkv.stream_channel import LocalListener, StreamConnection, TcpListener
 from dkv.errors import ConfigError, DKVError, ProtocolError, RemoteError, TransportError
 from dkv.event_loop import loop_kind
 from dkv.hostid import host_id
@@ -135,6 +135,8 @@ class NodeConfig:
     max_cost: int = 16384  # hashes x leaves x shards of one lookup, probe or touch (see YIELD_COST)
     # the most block bytes a leased lookup's answer may carry, for a client that asks (``send``); 0: never
     max_lookup_payload: int = 1 << 20
+    # the TCP control socket for clients on other hosts (dkv.stream_channel), on ``host``; 0: a free port, None: none
+    peer_control_port: int | None = 0
     verify_writes: bool = True  # check each written block's declared checksum before it becomes visible
 
     def validate(self) -> None:
@@ -167,6 +169,8 @@ class NodeConfig:
             raise ConfigError(f"idle_timeout must be positive, not {self.idle_timeout}")
         if self.max_lookup_payload < 0:
             raise ConfigError(f"max_lookup_payload must not be negative, not {self.max_lookup_payload}")
+        if self.peer_control_port is not None and not 0 <= self.peer_control_port <= 65535:
+            raise ConfigError(f"peer_control_port must be a TCP port (0: a free one), not {self.peer_control_port}")
         if self.max_cost < MAX_TP_SHARDS:
             raise ConfigError(f"max_cost must be at least {MAX_TP_SHARDS} (one hash of one leaf with every shard)")
 
@@ -216,7 +220,10 @@ class NodeServer:
         cluster_secret = config.token if config.token is not None else self.local_credential.secret
         self.credentials = Credentials(Credential(CLUSTER, cluster_secret), config.tenants)
         self.handover = HandoverServer(label, self._share_segment, self._segment_granted)
-        self.control = LocalListener(label, self._serve)  # same-host clients' control path (dkv.local_channel)
+        self.control = LocalListener(label, self._serve)  # same-host clients' control path (dkv.stream_channel)
+        # other hosts' clients' calling-thread lookups (dkv.direct_channel), on the host peers dial
+        self.peer_control = (TcpListener(config.host, config.peer_control_port, self._serve)
+                             if config.peer_control_port is not None else None)
         self.store = Store(
             self.arena,
             disk,
@@ -283,6 +290,8 @@ class NodeServer:
             self._disk_worker.start()
         await self.handover.start()
         await self.control.start()
+        if self.peer_control is not None:
+            await self.peer_control.start()
         _raise_descriptor_limit(self.config.max_connections * DESCRIPTORS_PER_CONNECTION + DESCRIPTOR_SLACK)
         self._listener = Listener(self._serve, self.config.port)
         self.runtime = {"event_loop": loop_kind(asyncio.get_running_loop()), "ucx_progress": active_progress_mode()}
@@ -330,6 +339,8 @@ class NodeServer:
         if tasks:
             await asyncio.wait(tasks, timeout=5.0)
         await self.control.close()
+        if self.peer_control is not None:
+            await self.peer_control.close()
         self.store.close()
         await self.handover.close()
         if self._disk_worker is not None:
@@ -604,6 +615,7 @@ class NodeServer:
                 "host": host_id(),
                 "proof": node_proof(credential.secret, nonce, hello["cnonce"], self.config.node_id),
                 "shm": shm,
+                "peer_control": self.peer_control.port if self.peer_control is not None else None,
                 "limits": {"max_frame": MAX_FRAME, "max_keys": MAX_KEYS, "max_leaves": MAX_LEAVES,
                            "lease_ttl": self.config.lease_ttl, "read_ttl": self.config.read_ttl,
                            "max_leases": self.config.max_leases_per_client, "max_cost": self.config.max_cost,
@@ -743,15 +755,16 @@ class NodeServer:
 
         With ``inline`` (the client made room for them, see :mod:`dkv.wire`)
         the bytes go in the answer's own UCX message where its body is
-        inline (:meth:`Connection.send_message_with`); else, or on a stream
-        connection, as a read's payload messages after it.
+        inline (:meth:`Connection.send_message_with`); else as a read's
+        payload messages after it. On a stream connection they follow the
+        answer in the same write (the bytes are the same either way).
         """
         try:
             plan, offsets, sizes = self._payload_plan(read)
             reply = {"ok": True, **answer, "sent": {"sizes": read.sizes, "sums": read.checksums,
                                                     "groups": plan_groups(plan)}}
             conn = peer.conn
-            if inline and isinstance(conn, Connection):
+            if isinstance(conn, StreamConnection) or (inline and isinstance(conn, Connection)):
                 slot = self.arena.slot
                 blocks = [slot(peer.namespace, offset, size) for offset, size in zip(offsets, sizes)]
                 carried = await conn.send_message_with(reply, blocks, self.config.op_timeout)

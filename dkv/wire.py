@@ -29,16 +29,22 @@ Handshake (mutual: each side proves the credential over the other's nonce)::
                        "cnonce": <16 bytes>, "proof": client_proof(...) | None, "host": host id}
     node   → client   {"ok": true, "node": id, "epoch": str, "host": host id,
                        "proof": node_proof(...), "limits": {...},
-                       "shm": {"socket", "ticket", "access", "control"} | None}
+                       "shm": {"socket", "ticket", "access", "control"} | None,
+                       "peer_control": TCP port | None}
 
 ``shm`` is offered only to a client on the node's host: redeeming the
 one-time ``ticket`` on the node's Unix socket (:mod:`dkv.handover`) hands
 over the client's own namespace segment by file descriptor, read-only for a
 read-only credential, and only then may the connection use ``shm`` reads and
-writes. ``control`` names the node's control socket (:mod:`dkv.local_channel`):
+writes. ``control`` names the node's control socket (:mod:`dkv.stream_channel`):
 the same protocol, framed the same way, over an abstract Unix stream socket,
 where a same-host client opens its connections once it has met the node over
 UCX (it checks that the node id and epoch there are the same).
+``peer_control`` is the port of the same control protocol over TCP, on the
+host the client dialled, for a client on another host (or on the listener
+path): it opens its calling-thread channel there (:mod:`dkv.direct_channel`).
+A leased lookup there that asks for its blocks (``send``) gets them right
+after the answer on that stream.
 
 Ops after the handshake (each answered by ``{"ok": true, ...}`` or
 ``{"ok": false, "code": str, "msg": str}``): ``lookup``, ``probe``, ``read``,

@@ -9,7 +9,7 @@ socket, from a blocking client on this thread to a server in another process
   direct         :class:`dkv.direct_channel.DirectChannel` (a framed msgpack request and reply)
                  against the same blocking server answering a canned framed reply;
   direct+uvloop  the same client against a server on uvloop built from the node's own stream
-                 (:class:`dkv.local_channel.StreamConnection`: ``recv_message``/``send_message``);
+                 (:class:`dkv.stream_channel.StreamConnection`: ``recv_message``/``send_message``);
   node lookup    ``NodeClient.lookup_direct`` of ``--hashes`` held hashes against a real node.
 
 So ``direct - socket`` is the client's framing and checks, ``direct+uvloop -
@@ -101,7 +101,7 @@ def serve_blocking(name: str) -> None:
 def serve_uvloop(name: str) -> None:
     """The node's stream layer without the node: a StreamConnection per client, on uvloop."""
     from dkv.event_loop import run
-    from dkv.local_channel import StreamConnection
+    from dkv.stream_channel import StreamConnection
 
     async def handle(conn: StreamConnection) -> None:
         try:

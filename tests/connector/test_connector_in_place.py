@@ -1,9 +1,10 @@
-"""Lookups and small loads in place: same-host work on the calling thread (real node processes).
+"""Lookups and small loads in place: work on the calling thread (real node processes).
 
-On the same-host path the connector's ``lookup()`` sends its leased lookup
-over a control connection of its own, driven from the scheduler thread, with
-no hop to the loop thread; and a small load into CPU rows is copied out of the
-lease's slots right there (a larger one on the copy threads, posted straight
+The connector's ``lookup()`` sends its leased lookup over a control
+connection of its own, driven from the scheduler thread, with no hop to the
+loop thread: the node's same-host control socket, or its TCP one on the
+listener path (where the lookup brings its blocks' bytes). A small load into
+CPU rows is copied out of the lease's slots (or those bytes) right there (a larger one on the copy threads, posted straight
 from the calling thread). These pin that nothing else changes: the same
 masks and leases, loads bit-exact, a lookup never overtakes a load still
 waiting on the loop thread, a copy that cannot be proven falls back to the
@@ -81,6 +82,30 @@ def test_a_lookup_in_place_answers_as_on_the_loop_and_its_load_is_bit_exact(node
     assert reader.counters.lookups_in_place == counted + 2  # the load had begun (it landed): nothing to overtake
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+async def test_a_listener_lookup_runs_in_place_over_the_tcp_control_port_and_brings_its_blocks(
+        node_factory, connectors, tp: int) -> None:
+    node = node_factory()
+    leaves = two_leaves(tp)
+    writer = connectors(node.address, leaves=leaves, blocks=device_blocks(leaves))
+    reader = connectors(node.address, leaves=leaves, blocks=device_blocks(leaves), local=False)
+    hashes = chain(4)
+    offload_chain(writer, writer._blocks, hashes)  # noqa: SLF001
+    _in_place(reader, hashes)
+    channel = reader._clients[node.address]._direct.conn  # noqa: SLF001
+    assert channel.peer.startswith("tcp:")  # the node's TCP control socket, not the same-host one
+    counted, loaded = reader.counters.lookups_in_place, reader.counters.loads_in_place
+    masks = reader.lookup(hashes + chain(1))
+    assert reader.counters.lookups_in_place == counted + 1
+    assert masks == {"full": [True] * 4 + [False], "swa": [True] * 4 + [False]}
+    wait(reader.load({"full": [1, 2, 3, 4], "swa": [3, 4]}, {"full": hashes, "swa": hashes[2:]}))
+    assert reader.counters.loads_in_place == loaded + 1  # from the bytes the lookup brought
+    assert _rows(reader, "full", [1, 2, 3, 4]) == _rows(writer, "full", [1, 2, 3, 4])
+    assert _rows(reader, "swa", [3, 4]) == _rows(writer, "swa", [3, 4])
+    stats = await node_stats(node.address)
+    assert stats["ops"].get("read", 0) == 0, "a load of bytes a lookup brought asked the node again"
+
+
 @pytest.mark.parametrize("reply_spin", [0.0, 0.002], ids=["reply-waited-for", "reply-polled-first"])
 def test_the_connector_s_reply_spin_is_how_long_its_direct_channel_polls_for_each_reply(node_factory, connectors,
                                                                                       reply_spin: float) -> None:
@@ -101,7 +126,7 @@ def test_the_connector_s_reply_spin_is_how_long_its_direct_channel_polls_for_eac
 def test_a_lookup_through_the_loop_thread_polls_for_its_answer_as_long_as_reply_spin_says(
         node_factory, connectors, monkeypatch) -> None:
     node = node_factory()
-    conn = connectors(node.address, local=False, reply_spin=0.002)  # the listener path: every lookup hops
+    conn = connectors(node.address, local=False, reply_spin=0.002, lookup_in_place=False)  # every lookup hops
     hashes = chain(2)
     offload_chain(conn, conn._blocks, hashes)  # noqa: SLF001
     worker = conn._worker  # noqa: SLF001
@@ -139,11 +164,12 @@ def test_with_lookup_in_place_off_every_lookup_and_load_takes_the_loop(node_fact
     assert not conn._clients[node.address].direct_ready  # noqa: SLF001 - none was even opened
 
 
+@pytest.mark.parametrize("local", [True, False], ids=["same-host", "listener"])
 async def test_a_lookup_never_overtakes_a_load_still_waiting_on_the_loop(node_factory, connectors,
-                                                                         monkeypatch) -> None:
+                                                                         monkeypatch, local: bool) -> None:
     monkeypatch.setattr(WorkerSide, "load_in_place", lambda *_: None)  # every load is posted to the loop
     node = node_factory()
-    conn = connectors(node.address, timeout=10.0)
+    conn = connectors(node.address, timeout=10.0, local=local)
     blocks = conn._blocks  # noqa: SLF001
     hashes = chain(3)
     offload_chain(conn, blocks, hashes)
@@ -173,9 +199,10 @@ async def test_a_lookup_never_overtakes_a_load_still_waiting_on_the_loop(node_fa
     assert stats["ops"].get("read", 0) == 0, "the load was refused its one-round-trip copy"
 
 
-def test_a_killed_node_costs_an_in_place_lookup_one_miss_then_backoff(node_factory, connectors) -> None:
+@pytest.mark.parametrize("local", [True, False], ids=["same-host", "listener"])
+def test_a_killed_node_costs_an_in_place_lookup_one_miss_then_backoff(node_factory, connectors, local: bool) -> None:
     node = node_factory()
-    conn = connectors(node.address, timeout=2.0)
+    conn = connectors(node.address, timeout=2.0, local=local)
     hashes = chain(2)
     offload_chain(conn, conn._blocks, hashes)  # noqa: SLF001
     _in_place(conn, hashes)
@@ -189,9 +216,11 @@ def test_a_killed_node_costs_an_in_place_lookup_one_miss_then_backoff(node_facto
     assert conn.counters.lookups_skipped == skipped + 1, "the dead node is not asked again during the backoff"
 
 
-async def test_a_hung_node_costs_an_in_place_lookup_its_timeout_then_backoff(node_factory, connectors) -> None:
+@pytest.mark.parametrize("local", [True, False], ids=["same-host", "listener"])
+async def test_a_hung_node_costs_an_in_place_lookup_its_timeout_then_backoff(node_factory, connectors,
+                                                                             local: bool) -> None:
     node = node_factory()
-    conn = connectors(node.address, timeout=1.0)
+    conn = connectors(node.address, timeout=1.0, local=local)
     hashes = chain(2)
     offload_chain(conn, conn._blocks, hashes)  # noqa: SLF001
     _in_place(conn, hashes)

@@ -41,6 +41,12 @@ def test_bad_pool_size_is_a_clear_error() -> None:
     assert result.returncode == 2 and "size" in result.stderr
 
 
+def test_a_bad_peer_control_port_is_a_clear_error() -> None:
+    for value in ("tcp", "70000"):
+        result = _dkv("serve", "--pool", "1MiB", "--peer-control-port", value)
+        assert result.returncode == 2 and "peer" in result.stderr.lower() and "port" in result.stderr, result.stderr
+
+
 def test_sigterm_is_a_graceful_shutdown_that_leaves_nothing(tmp_path) -> None:
     spill = tmp_path / "spill"
     spill.mkdir()

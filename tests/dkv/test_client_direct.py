@@ -1,18 +1,21 @@
-"""A same-host client's direct channel (NodeClient.lookup_direct) against real node processes.
+"""A client's direct channel (NodeClient.lookup_direct) against real node processes: same-host and over TCP.
 
 The direct channel is one more control connection of the client, handshaken on
 the loop like the others, then driven from the calling thread. These pin that
 it answers exactly as a lookup on the loop does (masks, lease, slot map, the
 carried lease ends), that it belongs to the client (its leases are the
 client's while any connection is open), and that every way it can end — the
-node closing it, a hung node, the listener path — costs a bounded error the
-caller can act on, never a lost lease end or a hang.
+node closing it, a hung node, a node without a TCP control port — costs a
+bounded error the caller can act on, never a lost lease end or a hang. On the
+listener path it is the node's TCP control socket, and a lookup that asks for
+its blocks gets them after the answer on it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -104,8 +107,53 @@ async def test_the_direct_channel_is_the_clients_own_connection_for_its_leases(n
     assert stats["leases"] == 0 and stats["pinned_blocks"] == 0, stats
 
 
-async def test_a_listener_client_opens_no_direct_channel(node_factory, clients) -> None:
-    node = node_factory("--pool", "16MiB")
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def test_a_listener_client_opens_its_direct_channel_on_the_nodes_tcp_control_port(node_factory, clients) -> None:
+    port = _free_port()
+    node = node_factory("--pool", "16MiB", "--peer-control-port", str(port))
+    hashes, data = await _stored(clients(node.address, local=False))
+    reader = clients(node.address, local=False)
+    await reader.connect()
+    raw = reader._target  # noqa: SLF001
+    assert not raw.uses_shared_memory and raw.direct_possible
+    assert await reader.open_direct()
+    assert raw._direct.conn.peer == f"tcp:127.0.0.1:{port}"  # noqa: SLF001 - the port the node was told to use
+    keys = [BlockKey("L", 0, h) for h in hashes]
+
+    # asking for no bytes: a lease, whose read goes over UCX (two steps)
+    found = raw.lookup_direct(hashes + [os.urandom(32)], ["L"], group=1)
+    assert found.masks == {"L": [True] * HELD + [False]} and found.lease_id is not None and not found.received
+    dests = [bytearray(BLOCK) for _ in range(HELD)]
+    await reader.read(found.lease_id, keys, dests)
+    assert [bytes(d) for d in dests] == data
+    stats = await node_stats(node.address)
+    assert stats["ops"]["lookup"] == 1 and stats["ops"]["read"] == 1, stats["ops"]
+
+    # asking for them: they follow the answer on the channel, checked, and the read needs no request
+    found = raw.lookup_direct(hashes, ["L"], group=2, send=HELD * BLOCK)
+    assert found.masks == {"L": [True] * HELD} and found.received and found.rejected == 0
+    assert raw.lookups_with_payload == 1
+    dests = [bytearray(BLOCK) for _ in range(HELD)]
+    await reader.read(found.lease_id, keys, dests)
+    assert [bytes(d) for d in dests] == data
+    stats = await node_stats(node.address)
+    assert stats["ops"]["lookup"] == 2 and stats["ops"]["read"] == 1, stats["ops"]
+    assert stats["leases"] == 0, stats  # the node ended the lease as it sent them
+
+    # asking for fewer bytes than the blocks come to: a lease, as without
+    found = raw.lookup_direct(hashes, ["L"], group=3, send=BLOCK)
+    assert found.masks == {"L": [True] * HELD} and not found.received
+    assert await reader.release(found.lease_id)
+    assert raw._direct.conn.exchanges == 3 and raw.direct_ready  # noqa: SLF001 - in step all along
+
+
+async def test_a_node_with_its_tcp_control_port_off_leaves_listener_lookups_on_the_loop(node_factory, clients) -> None:
+    node = node_factory("--pool", "16MiB", "--peer-control-port", "off")
     reader = clients(node.address, local=False)
     await reader.connect()
     raw = reader._target  # noqa: SLF001
@@ -113,6 +161,11 @@ async def test_a_listener_client_opens_no_direct_channel(node_factory, clients) 
     assert not await reader.open_direct()
     with pytest.raises(ChannelClosed):
         raw.lookup_direct([os.urandom(32)], ["L"])
+
+
+async def test_a_same_host_client_opens_its_direct_channel_on_the_unix_control_socket(node_factory, clients) -> None:
+    held = await _held(node_factory, clients)
+    assert held.raw._direct.conn.peer.startswith("local:")  # noqa: SLF001 - not the TCP one the node announces too
 
 
 async def test_a_direct_channel_the_node_closed_is_found_out_before_sending_and_no_end_is_lost(

@@ -6,6 +6,8 @@ arrives whole however it is cut; every exchange is bounded; a channel the node
 closed is found out before anything is sent (so the caller may ask the other
 way); a second thread is turned away at once, never made to wait; any failure
 closes the channel; and an abort from another thread wakes a blocked exchange.
+A reply that names block bytes after it (a listener lookup's ``sent``) brings
+exactly those, only when asked and within what was asked, or fails and closes.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import pytest
 from dkv.direct_channel import ChannelBusy, ChannelClosed, DirectChannel
 from dkv.polling import REPLY_SPIN
 from dkv.errors import FrameTooLarge, OpTimeout, ProtocolError, TransportError
-from dkv.local_channel import StreamConnection
+from dkv.stream_channel import StreamConnection
 from dkv.wire import HEADER_SIZE, decode_body, decode_header, encode_body, encode_header
 
 pytestmark = pytest.mark.timeout(60)
@@ -230,3 +232,83 @@ async def test_a_stream_connection_hands_its_socket_over_only_between_exchanges(
         assert conn.closed
     finally:
         theirs.close()
+
+
+def _with_blocks(blocks: list[bytes], **reply: object) -> bytes:
+    """A lookup's answer naming ``blocks`` (``sent``), then their bytes, as a node sends them on a stream."""
+    return _frame({"ok": True, **reply, "sent": {"sizes": [len(b) for b in blocks], "sums": []}}) + b"".join(blocks)
+
+
+@pytest.mark.parametrize("cut", [None, 7919], ids=["one-write", "in-pieces"])
+def test_the_bytes_a_reply_names_come_back_with_it_exactly(pair, cut: int | None) -> None:
+    channel, theirs = pair
+    sizes = [64 * 1024, 0, 3, 200 * 1024]  # the first read takes the reply and part of them; an empty block
+
+    def answer(request: dict) -> bytes:
+        blocks = [bytes([request["n"]]) * size for size in sizes]
+        data = _with_blocks(blocks, n=request["n"])
+        if cut is None:
+            return data
+        for i in range(0, len(data), cut):
+            theirs.sendall(data[i:i + cut])
+            time.sleep(0.0005)
+        return b""
+
+    FakeNode(theirs, answer)
+    for n in range(1, 4):
+        reply, payload = channel.exchange_with({"op": "lookup", "n": n}, 10.0, room=sum(sizes))
+        assert reply["n"] == n and payload is not None
+        assert bytes(payload) == bytes([n]) * sum(sizes)
+    reply, payload = channel.exchange_with({"op": "lookup", "n": 9}, 10.0, room=sum(sizes) + 1)  # room to spare
+    assert payload is not None and len(payload) == sum(sizes)
+    assert channel.exchanges == 4 and not channel.closed
+
+
+def test_a_reply_without_sent_to_a_request_that_made_room_brings_no_bytes(pair) -> None:
+    channel, theirs = pair
+    FakeNode(theirs, _echo)
+    assert channel.exchange_with({"op": "x", "n": 1}, 10.0, room=1 << 20) == ({"ok": True, "echo": 1}, None)
+    assert not channel.closed
+
+
+@pytest.mark.parametrize("reply, room", [
+    (_with_blocks([b"x" * 10]), 0),  # bytes the request did not ask for
+    (_with_blocks([b"x" * 10]), 9),  # more than it asked for
+    (_frame({"ok": True, "sent": {"sizes": [-1], "sums": []}}), 100),  # not byte counts
+    (_frame({"ok": True, "sent": {"sizes": [True], "sums": []}}), 100),
+    (_frame({"ok": True, "sent": {"sizes": "10", "sums": []}}), 100),
+    (_frame({"ok": True, "sent": [10]}), 100),
+    (_with_blocks([b"x" * 10]) + b"more", 100),  # past what it names
+    (_frame({"ok": True}) + b"x" * 10, 100),  # bytes after a reply that names none
+], ids=["unasked", "over-the-room", "negative", "bool", "not-a-list", "sent-not-a-map", "past-the-blocks",
+        "none-named"])
+def test_a_reply_whose_bytes_do_not_match_what_was_asked_is_a_protocol_error_and_closes(pair, reply: bytes,
+                                                                                         room: int) -> None:
+    channel, theirs = pair
+    FakeNode(theirs, lambda request: reply)
+    with pytest.raises(ProtocolError):
+        channel.exchange_with({"op": "lookup", "n": 1}, 10.0, room=room)
+    assert channel.closed
+
+
+def test_blocks_cut_short_by_the_node_closing_fail_and_close(pair) -> None:
+    channel, theirs = pair
+
+    def short(request: dict) -> bytes:
+        theirs.sendall(_with_blocks([b"x" * 100_000])[:-10])
+        theirs.shutdown(socket.SHUT_RDWR)
+        return b""
+
+    FakeNode(theirs, short)
+    with pytest.raises(TransportError) as raised:
+        channel.exchange_with({"op": "lookup", "n": 1}, 10.0, room=100_000)
+    assert not isinstance(raised.value, (ChannelClosed, ProtocolError))
+    assert channel.closed
+
+
+def test_blocks_that_never_come_time_the_exchange_out(pair) -> None:
+    channel, theirs = pair
+    FakeNode(theirs, lambda request: _with_blocks([b"x" * 1000])[:-1])
+    with pytest.raises(OpTimeout):
+        channel.exchange_with({"op": "lookup", "n": 1}, 0.3, room=1000)
+    assert channel.closed

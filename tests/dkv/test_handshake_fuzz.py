@@ -1,7 +1,7 @@
 """Fuzzing the handshake, both sides, and a real node under a stream of garbage on raw connections.
 
 * The node's side (:meth:`dkv.server.NodeServer._serve`) runs in-process over
-  a control-socket connection (:class:`~dkv.local_channel.StreamConnection` on
+  a control-socket connection (:class:`~dkv.stream_channel.StreamConnection` on
   a socket pair): garbled and mutated hellos, and garbage frames, are refused
   with an error reply and a closed connection, never an internal error, and
   only a hello with the right proof is accepted.
@@ -35,7 +35,7 @@ from dkv.client import NodeClient
 from dkv.client import handshake as client_handshake
 from dkv.errors import DKVError, PeerUnauthenticated
 from dkv.keys import BlockKey
-from dkv.local_channel import StreamConnection, connect_local
+from dkv.stream_channel import StreamConnection, connect_local, connect_tcp
 from dkv.server import ADMIN_NAMESPACE, NodeConfig, NodeServer
 from dkv.transport import connect
 from dkv.units import parse_address
@@ -293,7 +293,7 @@ def raw_frames(draw: st.DrawFn) -> bytes:
     return _mutate_bytes(frame, draw) if draw(st.booleans()) else frame
 
 
-connection_scripts = st.lists(st.tuples(st.sampled_from(["ucx", "local"]), st.booleans(),
+connection_scripts = st.lists(st.tuples(st.sampled_from(["ucx", "local", "tcp"]), st.booleans(),
                                         st.lists(raw_frames(), min_size=1, max_size=4)), min_size=1, max_size=4)
 
 
@@ -328,20 +328,22 @@ async def _stats(address: str) -> dict[str, Any]:
         await admin.close()
 
 
-async def _control_socket(address: str) -> str:
-    """The name of the node's control socket, from an authenticated same-host UCX handshake."""
+async def _control_sockets(address: str) -> tuple[str, int]:
+    """The name of the node's same-host control socket and its TCP control port, from an authenticated UCX handshake."""
     conn = await connect(*parse_address(address))
     try:
         reply = await client_handshake(conn, NS, secret=TOKEN)
-        return reply["shm"]["control"]
+        return reply["shm"]["control"], reply["peer_control"]
     finally:
         conn.abort()
 
 
-async def _send_garbage(address: str, control: str, script: list[tuple[str, bool, list[bytes]]]) -> None:
+async def _send_garbage(address: str, control: tuple[str, int], script: list[tuple[str, bool, list[bytes]]]) -> None:
+    host = parse_address(address)[0]
     for path, authenticate, frames in script:
         try:
-            conn: Any = await (connect(*parse_address(address)) if path == "ucx" else connect_local(control))
+            conn: Any = await (connect(*parse_address(address)) if path == "ucx"
+                               else connect_local(control[0]) if path == "local" else connect_tcp(host, control[1]))
         except DKVError:
             continue  # a cap reached, say: the node refuses, which is its right
         try:
@@ -367,13 +369,14 @@ def fuzzed_node() -> dict[str, Any]:
                                                            HealthCheck.too_slow])
 @given(script=connection_scripts)
 @example(script=[(path, auth, [encode_header(4095, FLAG_INLINE) + b"\xdc\xff\xff" * 1365] * 3)  # nested claims
-                 for path, auth in (("ucx", False), ("ucx", True), ("local", True))])
+                 for path, auth in (("ucx", False), ("ucx", True), ("local", True), ("tcp", False),
+                                   ("tcp", True))])
 def test_a_node_fed_garbage_on_raw_connections_stays_up_bounded_and_serves_a_good_client_bit_exact(
         node_factory, ucx_loop, fuzzed_node: dict[str, Any], script: list[tuple[str, bool, list[bytes]]]) -> None:
     if "node" not in fuzzed_node:
         node = node_factory(token=TOKEN)
         ucx_loop.run(_round_trip(node.address), 60)  # served once: its baseline
-        fuzzed_node.update(node=node, control=ucx_loop.run(_control_socket(node.address), 30),
+        fuzzed_node.update(node=node, control=ucx_loop.run(_control_sockets(node.address), 30),
                            baseline=max(_memory(node.pid, "VmRSS"), _memory(node.pid, "VmHWM")))
     node, control, baseline = fuzzed_node["node"], fuzzed_node["control"], fuzzed_node["baseline"]
     ucx_loop.run(_send_garbage(node.address, control, script), 60)

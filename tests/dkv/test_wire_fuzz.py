@@ -5,7 +5,7 @@ arbitrary and mutated input directly. The framing of a UCX
 :class:`~dkv.transport.Connection` runs over a scripted endpoint
 (:class:`ScriptedEndpoint`: each posted receive takes the next queued message,
 a message longer than its buffer fails as UCX's truncation does), and the
-control socket's :class:`~dkv.local_channel.StreamConnection` over a real
+control socket's :class:`~dkv.stream_channel.StreamConnection` over a real
 socket pair; neither needs a node or UCX.
 
 Invariants: whatever the bytes, a decoder returns a valid value or raises a
@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 
 from dkv import transport
 from dkv.errors import DKVError, FrameTooLarge, ProtocolError
-from dkv.local_channel import StreamConnection
+from dkv.stream_channel import StreamConnection
 from dkv.wire import (
     FLAG_INLINE,
     HEADER,
@@ -594,12 +594,12 @@ def test_control_socket_framing_of_garbage_raises_typed_errors_and_allocates_wit
         allocated.append(length)
         return real_mmap(fileno, length, *args, **kwargs)
 
-    import dkv.local_channel as local_channel
-    local_channel.mmap.mmap = spy  # (the one mmap module: restored below)
+    import dkv.stream_channel as stream_channel
+    stream_channel.mmap.mmap = spy  # (the one mmap module: restored below)
     try:
         message = asyncio.run(_stream_receive(data, max_frame))
     finally:
-        local_channel.mmap.mmap = real_mmap
+        stream_channel.mmap.mmap = real_mmap
     assert all(n <= max_frame for n in allocated), f"mapped {allocated} under a bound of {max_frame}"
     if message is not None:
         _check_or_protocol_error(message)

@@ -1,4 +1,4 @@
-"""The same-host control channel's stream (dkv.local_channel.StreamConnection) over a real Unix socket pair.
+"""The same-host control channel's stream (dkv.stream_channel.StreamConnection) over a real Unix socket pair.
 
 The reader watches the socket once for the connection's life and answers
 receives from what it read ahead, so these pin what that must never change:
@@ -15,7 +15,7 @@ import socket
 import pytest
 
 from dkv.errors import FrameTooLarge, OpTimeout, TransportError
-from dkv.local_channel import _INBOX_MAX, MAPPED_BODY_MIN, StreamConnection
+from dkv.stream_channel import _INBOX_MAX, MAPPED_BODY_MIN, StreamConnection
 from dkv.wire import encode_body, encode_header
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""Same-host control channel: the node's protocol over an abstract Unix stream socket.
+"""Control channels over stream sockets: the node's protocol over an abstract Unix socket, or TCP.
 
 A same-host client's block bytes never cross a transport (it copies them out
 of, or into, its mapped namespace segment), so what its loads and offloads
@@ -7,13 +7,23 @@ plain socket's (each completion hops between UCX's threads and the event
 loop); here a control message is one ``send`` of header and body, and a
 reply wakes the loop directly.
 
-A node listens on an abstract socket whose random name it announces only in
-the authenticated UCX handshake (``shm.control``), so a client learns it from
-the node it meant to reach. On this channel the protocol is unchanged: the
-same challenge, hello, mutual proof and limits, then the same ops (a client
-checks that the node id and epoch match the ones it met over UCX). Abstract
-sockets belong to the network namespace: a client in another one cannot
-reach it and stays on UCX.
+Same host: a node listens on an abstract socket whose random name it
+announces only in the authenticated UCX handshake (``shm.control``), so a
+client learns it from the node it meant to reach. Abstract sockets belong to
+the network namespace: a client in another one cannot reach it and stays on
+UCX.
+
+Other hosts: a node also listens on TCP (:class:`TcpListener`, on its UCX
+listen host; its port is announced in the same handshake as
+``peer_control``). A client on the listener path opens its calling-thread
+channel there (:mod:`dkv.direct_channel`), so a small leased lookup, and the
+blocks it may bring (at most what it asks for: the connector's
+``lookup_payload_bytes``), costs one kernel round trip instead of UCX's
+thread hops. UCX stays the data plane: every read, and every other request.
+
+On these channels the protocol is unchanged: the same challenge, hello,
+mutual proof and limits, then the same ops (a client checks that the node id
+and epoch match the ones it met over UCX).
 
 :class:`StreamConnection` offers the interface of
 :class:`dkv.transport.Connection` (framed messages, raw payloads, bounded
@@ -44,6 +54,7 @@ SOCKET_BUFFER = 1 << 20  # kernel buffers big enough that a message of a few hun
 
 
 _CHUNK = 64 * 1024  # one read of control bytes (messages under MAPPED_BODY_MIN are parsed out of these)
+_IOV_BATCH = 512  # buffers one sendmsg takes (under the kernel's IOV_MAX of 1024)
 _INBOX_MAX = MAPPED_BODY_MIN + HEADER_SIZE + _CHUNK  # bytes read ahead with no receive posted; then reading pauses
 
 
@@ -93,7 +104,7 @@ class _Receive:
 
 
 class StreamConnection:
-    """One Unix stream connection: framed messages plus raw payloads, one exchange at a time.
+    """One stream connection (Unix or TCP): framed messages plus raw payloads, one exchange at a time.
 
     The socket is watched for reads once, for the connection's life (not once
     per receive): what arrives is read into a small inbox, and a posted
@@ -328,6 +339,34 @@ class StreamConnection:
         if sent < view.nbytes:
             await self._bounded(self._loop.sock_sendall(sock, view[sent:]), timeout, what)
 
+    async def _send_gathered(self, buffers: Sequence[Any], timeout: float, what: str) -> None:
+        """Write ``buffers`` back to back, as few system calls as the kernel takes (``sendmsg``, up to ``_IOV_BATCH`` at once).
+
+        One write of a reply and the blocks after it wakes its reader once;
+        a write each could wake it for the first and leave it to sleep
+        again on the next. A wait (bounded) only for what the kernel did not
+        take at once.
+        """
+        sock = self._socket()
+        views = [view for view in (memoryview(b).cast("B") for b in buffers) if view.nbytes]
+        at = 0
+        while at < len(views):
+            batch = views[at:at + _IOV_BATCH]
+            try:
+                sent = sock.sendmsg(batch)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as exc:
+                self.abort()
+                raise TransportError(f"{what} with {self.peer} failed: {exc}") from exc
+            for view in batch:
+                at += 1
+                if sent >= view.nbytes:
+                    sent -= view.nbytes
+                    continue
+                await self._bounded(self._loop.sock_sendall(sock, view[sent:]), timeout, what)
+                break
+
     # ---- the interface of dkv.transport.Connection ----------------------------------------------
 
     async def send_message(self, message: dict[str, Any], timeout: float = DEFAULT_TIMEOUT) -> None:
@@ -341,11 +380,22 @@ class StreamConnection:
         message: dict[str, Any] = await self._receive(want, timeout)
         return message
 
+    async def send_message_with(self, message: dict[str, Any], trailing: Sequence[Any],
+                                timeout: float = DEFAULT_TIMEOUT) -> bool:
+        """:meth:`send_message`, then ``trailing``'s bytes, in one gathered write; True (a stream carries any amount).
+
+        The bytes on the stream are those of :meth:`send_message` then
+        :meth:`send_payloads` (a stream has no message boundaries), so the
+        receiver reads them the same way.
+        """
+        body = encode_body(message)
+        await self._send_gathered([encode_header(len(body)) + body, *trailing], timeout, "send")
+        return True
+
     async def send_payloads(self, buffers: Sequence[Any], timeout: float = DEFAULT_TIMEOUT,
                             groups: Any = None) -> None:
         """Send each buffer's bytes, in order (a stream carries no message boundaries, so ``groups`` are moot)."""
-        for buffer in buffers:
-            await self._send(buffer, timeout, "payload send")
+        await self._send_gathered(buffers, timeout, "payload send")
 
     async def recv_payloads(self, buffers: Sequence[Any], timeout: float = DEFAULT_TIMEOUT,
                             landed: Callable[[int, int], None] | None = None, groups: Any = None) -> None:
@@ -410,38 +460,76 @@ def listen_abstract(name: str, backlog: int) -> socket.socket:
 async def connect_local(name: str, timeout: float = CONNECT_TIMEOUT) -> StreamConnection:
     """Connect to a node's control socket ``name`` (abstract) within ``timeout``."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    return await _connect(sock, "\0" + name, f"local:{name}", timeout)
+
+
+def listen_tcp(host: str, port: int, backlog: int) -> socket.socket:
+    """A non-blocking TCP socket listening on ``host:port`` (port 0: a free one), small writes sent at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def connect_tcp(host: str, port: int, timeout: float = CONNECT_TIMEOUT) -> StreamConnection:
+    """Connect to a node's TCP control socket (:class:`TcpListener`) within ``timeout``; Nagle off."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    _no_delay(sock)
+    return await _connect(sock, (host, port), f"tcp:{host}:{port}", timeout)
+
+
+def _no_delay(sock: socket.socket) -> None:
+    """Send each control message at once (Nagle would hold a small reply back for the peer's ack)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+async def _connect(sock: socket.socket, address: Any, peer: str, timeout: float) -> StreamConnection:
     sock.setblocking(False)
     try:
         async with asyncio.timeout(timeout):
-            await asyncio.get_running_loop().sock_connect(sock, "\0" + name)
+            await asyncio.get_running_loop().sock_connect(sock, address)
     except (TimeoutError, OSError) as exc:
         sock.close()
         raise TransportError(f"cannot reach the node's control socket: {exc}") from exc
     except BaseException:
         sock.close()
         raise
-    return StreamConnection(sock, f"local:{name}")
+    return StreamConnection(sock, peer)
 
 
-class LocalListener:
-    """The node's control socket: hands each accepted connection to ``handler`` as a :class:`StreamConnection`.
+class StreamListener:
+    """A node's control socket: hands each accepted connection to ``handler`` as a :class:`StreamConnection`.
 
     Admission is the handler's (the node bounds unauthenticated connections
     as it does on UCX); this only accepts. Every handler task is owned and
-    cancelled by :meth:`close`.
+    cancelled by :meth:`close`. Subclasses say where it listens (:meth:`_listen`).
     """
 
-    def __init__(self, label: str, handler: Callable[[StreamConnection], Awaitable[None]]) -> None:
-        self.name = f"dkv-ctl-{label}-{secrets.token_hex(8)}"
+    kind = "stream"
+
+    def __init__(self, handler: Callable[[StreamConnection], Awaitable[None]]) -> None:
         self._handler = handler
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._count = 0
 
+    def _listen(self) -> socket.socket:
+        raise NotImplementedError
+
+    def _accepted(self, sock: socket.socket) -> None:
+        """Set up an accepted socket before it is served."""
+
     async def start(self) -> None:
-        self._sock = listen_abstract(self.name, BACKLOG)
-        self._accepting = asyncio.create_task(self._accept_forever(), name="dkv-control")
+        self._sock = self._listen()
+        self._accepting = asyncio.create_task(self._accept_forever(), name=f"dkv-control-{self.kind}")
 
     async def _accept_forever(self) -> None:
         loop = asyncio.get_running_loop()
@@ -449,12 +537,13 @@ class LocalListener:
         while True:
             try:
                 conn, _ = await loop.sock_accept(self._sock)
+                self._accepted(conn)
             except OSError as exc:  # out of descriptors, say: back off rather than spin
-                log.warning("control socket accept failed: %s", exc)
+                log.warning("%s control socket accept failed: %s", self.kind, exc)
                 await asyncio.sleep(0.1)
                 continue
             self._count += 1
-            task = asyncio.create_task(self._handler(StreamConnection(conn, f"local#{self._count}")))
+            task = asyncio.create_task(self._handler(StreamConnection(conn, f"{self.kind}#{self._count}")))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -472,3 +561,37 @@ class LocalListener:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+class LocalListener(StreamListener):
+    """The node's same-host control socket, on a random abstract name (announced only in the UCX handshake)."""
+
+    kind = "local"
+
+    def __init__(self, label: str, handler: Callable[[StreamConnection], Awaitable[None]]) -> None:
+        super().__init__(handler)
+        self.name = f"dkv-ctl-{label}-{secrets.token_hex(8)}"
+
+    def _listen(self) -> socket.socket:
+        return listen_abstract(self.name, BACKLOG)
+
+
+class TcpListener(StreamListener):
+    """The node's control socket for clients on other hosts: the same protocol over TCP (see the module docstring).
+
+    ``port`` 0 takes a free one; :attr:`port` is the one bound, once started.
+    """
+
+    kind = "tcp"
+
+    def __init__(self, host: str, port: int, handler: Callable[[StreamConnection], Awaitable[None]]) -> None:
+        super().__init__(handler)
+        self.host, self.port = host, port
+
+    def _listen(self) -> socket.socket:
+        sock = listen_tcp(self.host, self.port, BACKLOG)
+        self.port = sock.getsockname()[1]
+        return sock
+
+    def _accepted(self, sock: socket.socket) -> None:
+        _no_delay(sock)
