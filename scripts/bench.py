@@ -847,7 +847,9 @@ class Bench:
         try:
             client = getattr(conn, "_clients", {}).get(conn.node_address)
             if client is not None:
-                self.paths_seen[name] = "same-host" if client.uses_shared_memory else "listener"
+                self.paths_seen[name] = ("same-host" if client.uses_shared_memory else
+                                         "listener, lookups on the calling thread over TCP" if client.direct_ready
+                                         else "listener")
             counters = getattr(conn, "counters", None)
             if counters is not None:  # how many of its lookups and loads ran on the calling thread
                 self.paths_seen[f"{name}_in_place"] = {
