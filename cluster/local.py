@@ -37,6 +37,9 @@ if TYPE_CHECKING:
 STATE_FILE = "cluster.json"
 DEFAULT_CLUSTER = "default"
 NODE_PORT_BASE = 7420
+# node-i's TCP control socket (``dkv serve --peer-control-port``): a number of its own, so that behind
+# published ports (docker-compose) the port a node announces is the one a client on the host reaches
+PEER_CONTROL_PORT_BASE = 7440
 METRICS_PORT = 9420  # a node's /metrics, /healthz, /readyz (``dkv serve --metrics-listen``)
 ROUTER_PORT = 7430  # the router service (``dkv router serve``)
 STOP_TIMEOUT = 10.0
@@ -113,7 +116,8 @@ def topology(nodes: int, *, pool: str = "1GiB", cluster: str = DEFAULT_CLUSTER) 
     launcher binds loopback ports, docker-compose uses service names, the
     Kubernetes manifests (``cluster/k8s/``) the pod's address. All of them run
     these commands (tests/cluster/test_compose.py, tests/cluster/test_k8s.py).
-    Every node serves its metrics and health endpoints on ``METRICS_PORT``; the
+    Every node serves its metrics and health endpoints on ``METRICS_PORT``, and
+    node-i its TCP control socket on ``PEER_CONTROL_PORT_BASE + i``; the
     router service answers routes on ``ROUTER_PORT``.
     """
     services: dict[str, dict[str, Any]] = {
@@ -129,8 +133,9 @@ def topology(nodes: int, *, pool: str = "1GiB", cluster: str = DEFAULT_CLUSTER) 
         services[node_id] = {
             "command": ["dkv", "serve", "--listen", f"{node_id}:{NODE_PORT_BASE}", "--pool", pool,
                         "--etcd", "http://etcd:2379", "--node-id", node_id, "--cluster", cluster,
-                        "--metrics-listen", f"{node_id}:{METRICS_PORT}"],
-            "ports": [NODE_PORT_BASE, METRICS_PORT],
+                        "--metrics-listen", f"{node_id}:{METRICS_PORT}",
+                        "--peer-control-port", str(PEER_CONTROL_PORT_BASE + i)],
+            "ports": [NODE_PORT_BASE, PEER_CONTROL_PORT_BASE + i, METRICS_PORT],
             "environment": {"UCX_TLS": "tcp", "DKV_TOKEN": "${DKV_TOKEN}"},
         }
     services["router"] = {
@@ -148,7 +153,8 @@ def local_command(command: list[str], etcd_url: str, listen: str = "127.0.0.1:0"
 
     ``metrics_listen`` is where a node serves ``/metrics`` and its health
     (e.g. ``127.0.0.1:0``); ``None`` drops ``--metrics-listen`` from the command,
-    so the local node runs without that endpoint.
+    so the local node runs without that endpoint. A node's TCP control socket
+    takes a free port (local nodes share one host).
     """
     local = [sys.executable, "-m", "dkv.cli", *command[1:]]
     if "--metrics-listen" in local:
@@ -159,6 +165,8 @@ def local_command(command: list[str], etcd_url: str, listen: str = "127.0.0.1:0"
             local[at + 1] = metrics_listen
     for flag, value in (("--listen", listen), ("--etcd", etcd_url)):
         local[local.index(flag) + 1] = value
+    if "--peer-control-port" in local:
+        local[local.index("--peer-control-port") + 1] = "0"
     return local
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from cluster.local import METRICS_PORT, NODE_PORT_BASE, ROUTER_PORT, local_command, topology
+from cluster.local import METRICS_PORT, NODE_PORT_BASE, PEER_CONTROL_PORT_BASE, ROUTER_PORT, local_command, topology
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,6 +41,7 @@ def test_the_local_launcher_runs_the_topology_commands_with_local_addresses() ->
     del expected[at:at + 2]
     expected[expected.index("--listen") + 1] = "127.0.0.1:0"
     expected[expected.index("--etcd") + 1] = "http://127.0.0.1:2399"
+    expected[expected.index("--peer-control-port") + 1] = "0"  # local nodes share a host: a free port each
     assert local[3:] == expected
     with_metrics = local_command(command, "http://127.0.0.1:2399", metrics_listen="127.0.0.1:0")
     assert with_metrics[with_metrics.index("--metrics-listen") + 1] == "127.0.0.1:0"
@@ -57,7 +58,9 @@ def test_the_topology_runs_a_router_service_and_a_metrics_endpoint_on_every_node
         node = topo[node_id]
         command = node["command"]
         assert command[command.index("--metrics-listen") + 1] == f"{node_id}:{METRICS_PORT}"
-        assert node["ports"] == [NODE_PORT_BASE, METRICS_PORT]
+        peer_control = PEER_CONTROL_PORT_BASE + int(node_id[-1])
+        assert command[command.index("--peer-control-port") + 1] == str(peer_control)
+        assert node["ports"] == [NODE_PORT_BASE, peer_control, METRICS_PORT]
     local = local_command(router["command"], "http://127.0.0.1:2399", listen="127.0.0.1:0")
     assert local[3:] == ["router", "serve", "--listen", "127.0.0.1:0", "--etcd", "http://127.0.0.1:2399",
                          "--cluster", "c1"]

@@ -36,7 +36,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from cluster.local import METRICS_PORT, NODE_PORT_BASE, ROUTER_PORT, topology
+from cluster.local import METRICS_PORT, NODE_PORT_BASE, PEER_CONTROL_PORT_BASE, ROUTER_PORT, topology
 from cluster.process import FdLines, stop_process
 from dkv.units import parse_address, parse_size
 
@@ -288,7 +288,7 @@ def test_the_node_daemonset_runs_the_topology_node_command_ports_and_environment
     for flag in set(topo_options) - {"--listen", "--metrics-listen", "--node-id"}:
         assert options[flag] == topo_options[flag], flag
     ports = container["ports"]
-    assert [p["containerPort"] for p in ports] == spec["ports"] == [NODE_PORT_BASE, METRICS_PORT]
+    assert [p["containerPort"] for p in ports] == spec["ports"] == [NODE_PORT_BASE, PEER_CONTROL_PORT_BASE, METRICS_PORT]
     assert all(p["hostPort"] == p["containerPort"] for p in ports), "hostNetwork: host and container ports agree"
     assert set(spec["environment"]) <= set(env)
     assert env["UCX_TLS"] == spec["environment"]["UCX_TLS"]
