@@ -14,17 +14,22 @@ its blocks gets them after the answer on it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
+import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
-from dkv.client import DIRECT_RETRY_AFTER, DIRECT_RETRY_MAX, NodeClient
-from dkv.direct_channel import ChannelClosed, _peer_closed
-from dkv.errors import NodeBusy, OpTimeout
+from dkv.checksum import block_checksum
+from dkv.client import DIRECT_RETRY_AFTER, DIRECT_RETRY_MAX, NodeClient, NodeInfo, _Session
+from dkv.direct_channel import ChannelClosed, DirectChannel, _peer_closed
+from dkv.errors import NodeBusy, OpTimeout, ProtocolError
+from dkv.wire import HEADER_SIZE, decode_body, decode_header, encode_body, encode_header
 from dkv.keys import BlockKey
 from tests.conftest import node_stats, wait_for_stats
 
@@ -239,3 +244,109 @@ async def test_a_hung_node_times_a_direct_lookup_out_within_its_bound(node_facto
         assert not raw.direct_ready  # a failed exchange closes the channel: the stream may be out of step
     finally:
         node.resume()
+
+
+class _FakeNode:
+    """The node's end of a socket pair under a client's direct channel: answers each lookup with ``answer(request)``."""
+
+    def __init__(self, answer: Any) -> None:
+        ours, self.theirs = socket.socketpair()
+        self.channel = DirectChannel(ours, "fake")
+        self.answer = answer
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.channel.abort()
+        with contextlib.suppress(OSError):
+            self.theirs.shutdown(socket.SHUT_RDWR)
+        self.theirs.close()
+        self.thread.join(10)
+        assert not self.thread.is_alive()
+
+    def _serve(self) -> None:
+        try:
+            while True:
+                header = self._exactly(HEADER_SIZE)
+                request = decode_body(self._exactly(decode_header(header)))
+                reply, blocks = self.answer(request)
+                body = encode_body(reply)
+                self.theirs.sendall(encode_header(len(body)) + body + blocks)
+        except OSError:
+            pass
+
+    def _exactly(self, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = self.theirs.recv(n - len(data))
+            if not chunk:
+                raise ConnectionResetError
+            data += chunk
+        return data
+
+    def client(self) -> NodeClient:
+        client = NodeClient("127.0.0.1:1", "ns")
+        info = NodeInfo("fake", "1", "elsewhere", {})
+        client.info = info
+        client._direct = _Session(self.channel, info)  # noqa: SLF001
+        client._sessions.add(client._direct)  # noqa: SLF001
+        return client
+
+
+@pytest.fixture
+def fake_node() -> Iterator[Callable[[Any], _FakeNode]]:
+    """Makes fake nodes (see :class:`_FakeNode`), each closed and its thread joined after the test."""
+    made: list[_FakeNode] = []
+
+    def make(answer: Any) -> _FakeNode:
+        made.append(_FakeNode(answer))
+        return made[-1]
+
+    yield make
+    for fake in made:
+        fake.close()
+
+
+def _sent_answer(request: dict, blocks: list[bytes], sums: list[bytes]) -> tuple[dict, bytes]:
+    masks = {"L": b"\x01" * len(request["hashes"])}
+    return ({"ok": True, "masks": masks, "lease": 7, "ttl": 10.0,
+             "sent": {"sizes": [len(b) for b in blocks], "sums": sums, "groups": [len(blocks)]}}, b"".join(blocks))
+
+
+def test_blocks_over_a_tcp_direct_channel_that_fail_their_checksum_are_reported_absent_never_kept(fake_node) -> None:
+    hashes = [os.urandom(32) for _ in range(3)]
+    data = [os.urandom(BLOCK) for _ in hashes]
+    sums = [block_checksum("L", 0, h, d) for h, d in zip(hashes, data)]
+    corrupted = [data[0], data[1][:-1] + bytes([data[1][-1] ^ 1]), data[2]]
+    fake = fake_node(lambda request: _sent_answer(request, corrupted, sums))
+    client = fake.client()
+    found = client.lookup_direct(hashes, ["L"], group=1, send=len(hashes) * BLOCK)
+    assert found.received and found.rejected == 1
+    assert found.masks == {"L": [True, False, True]}  # the garbled block is absent: its load cannot use it
+    slots = client.claim_slots(found.lease_id)
+    assert slots is not None and slots.received
+    dests = [bytearray(BLOCK) for _ in hashes]
+    assert not slots.copy_here([BlockKey("L", 0, h) for h in hashes], [memoryview(d) for d in dests])
+    assert not fake.channel.closed  # the stream was in step: only the block was bad
+
+
+@pytest.mark.parametrize("lie", ["fewer-blocks-than-the-masks", "more-bytes-than-asked", "no-checksum"])
+def test_blocks_over_a_tcp_direct_channel_that_do_not_match_the_request_are_a_protocol_error(fake_node,
+                                                                                            lie: str) -> None:
+    hashes = [os.urandom(32) for _ in range(2)]
+    block = os.urandom(1000)
+
+    def answer(request: dict) -> tuple[dict, bytes]:
+        if lie == "fewer-blocks-than-the-masks":
+            return _sent_answer(request, [block], [b"s" * 16])
+        if lie == "more-bytes-than-asked":
+            return _sent_answer(request, [block * 2, block * 2], [b"s" * 16] * 2)
+        return _sent_answer(request, [block, block], [b"s" * 16, None])
+
+    fake = fake_node(answer)
+    client = fake.client()
+    with pytest.raises(ProtocolError):
+        client.lookup_direct(hashes, ["L"], group=1, send=2 * len(block) + 1)
+    assert fake.channel.closed and not client.direct_ready
+    assert client._lease_slots == {} and client._received_bytes == 0  # noqa: SLF001
+    assert client.lease_generation == 1  # its last connection closed: the node ended its leases
