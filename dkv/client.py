@@ -357,15 +357,23 @@ class NodeClient:
             return local
         return session
 
+    async def _met_again(self, conn: StreamConnection, met: NodeInfo, what: str) -> tuple[dict[str, Any], NodeInfo]:
+        """Handshake ``conn`` (a control socket ``what``) and check the node is the one ``met`` over UCX.
+
+        The caller aborts ``conn`` on any failure.
+        """
+        reply = await handshake(conn, self.namespace, secret=self.token, tenant=self.tenant,
+                                client_id=self.client_id, timeout=self.timeout)
+        info = NodeInfo(reply["node"], reply["epoch"], reply["host"], reply.get("limits", {}))
+        if (info.node_id, info.epoch) != (met.node_id, met.epoch):
+            raise TransportError(f"the {what} of {self.address} answers as another node")
+        return reply, info
+
     async def _open_local_session(self, name: str, met: NodeInfo) -> _Session:
         """A session over the node's control socket ``name``; the node must be the one ``met`` over UCX."""
         conn = await connect_local(name, min(self.timeout, 2.0))
         try:
-            reply = await handshake(conn, self.namespace, secret=self.token, tenant=self.tenant,
-                                    client_id=self.client_id, timeout=self.timeout)
-            info = NodeInfo(reply["node"], reply["epoch"], reply["host"], reply.get("limits", {}))
-            if (info.node_id, info.epoch) != (met.node_id, met.epoch):
-                raise TransportError(f"the control socket of {self.address} answers as another node")
+            reply, info = await self._met_again(conn, met, "control socket")
             mapping = await self._take_segment(reply.get("shm"), info)
             if mapping is None:
                 raise TransportError("the control socket's session was not handed its segment")
@@ -383,11 +391,7 @@ class NodeClient:
         """
         conn = await connect_tcp(self.host, port, min(self.timeout, 2.0))
         try:
-            reply = await handshake(conn, self.namespace, secret=self.token, tenant=self.tenant,
-                                    client_id=self.client_id, timeout=self.timeout)
-            info = NodeInfo(reply["node"], reply["epoch"], reply["host"], reply.get("limits", {}))
-            if (info.node_id, info.epoch) != (met.node_id, met.epoch):
-                raise TransportError(f"the TCP control socket of {self.address} answers as another node")
+            _, info = await self._met_again(conn, met, "TCP control socket")
         except BaseException:
             conn.abort()
             raise

@@ -327,17 +327,7 @@ class StreamConnection:
 
     async def _send(self, data: Any, timeout: float, what: str) -> None:
         """Write ``data``; wait (bounded) only for what the kernel did not take at once."""
-        sock = self._socket()
-        view = memoryview(data).cast("B")
-        try:
-            sent = sock.send(view)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        except OSError as exc:
-            self.abort()
-            raise TransportError(f"{what} with {self.peer} failed: {exc}") from exc
-        if sent < view.nbytes:
-            await self._bounded(self._loop.sock_sendall(sock, view[sent:]), timeout, what)
+        await self._send_gathered((data,), timeout, what)
 
     async def _send_gathered(self, buffers: Sequence[Any], timeout: float, what: str) -> None:
         """Write ``buffers`` back to back, as few system calls as the kernel takes (``sendmsg``, up to ``_IOV_BATCH`` at once).
@@ -446,15 +436,7 @@ class StreamConnection:
 
 def listen_abstract(name: str, backlog: int) -> socket.socket:
     """A non-blocking Unix stream socket listening on the abstract address ``name`` (no file left behind)."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.bind("\0" + name)
-        sock.listen(backlog)
-        sock.setblocking(False)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
+    return _listening(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), "\0" + name, backlog)
 
 
 async def connect_local(name: str, timeout: float = CONNECT_TIMEOUT) -> StreamConnection:
@@ -464,25 +446,33 @@ async def connect_local(name: str, timeout: float = CONNECT_TIMEOUT) -> StreamCo
 
 
 def listen_tcp(host: str, port: int, backlog: int) -> socket.socket:
-    """A non-blocking TCP socket listening on ``host:port`` (port 0: a free one), small writes sent at once."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    """A non-blocking TCP socket listening on ``host:port`` (port 0: a free one)."""
+    return _listening(_tcp_socket(host), (host, port), backlog, reuse=True)
+
+
+async def connect_tcp(host: str, port: int, timeout: float = CONNECT_TIMEOUT) -> StreamConnection:
+    """Connect to a node's TCP control socket (:class:`TcpListener`) within ``timeout``; Nagle off."""
+    sock = _tcp_socket(host)
+    _no_delay(sock)
+    return await _connect(sock, (host, port), f"tcp:{host}:{port}", timeout)
+
+
+def _tcp_socket(host: str) -> socket.socket:
+    return socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+
+
+def _listening(sock: socket.socket, address: Any, backlog: int, *, reuse: bool = False) -> socket.socket:
+    """``sock`` bound to ``address`` and listening, non-blocking; closed when a step fails."""
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
+        if reuse:  # (a restarted node takes its port back while old connections linger in TIME_WAIT)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
         sock.listen(backlog)
         sock.setblocking(False)
     except BaseException:
         sock.close()
         raise
     return sock
-
-
-async def connect_tcp(host: str, port: int, timeout: float = CONNECT_TIMEOUT) -> StreamConnection:
-    """Connect to a node's TCP control socket (:class:`TcpListener`) within ``timeout``; Nagle off."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    _no_delay(sock)
-    return await _connect(sock, (host, port), f"tcp:{host}:{port}", timeout)
 
 
 def _no_delay(sock: socket.socket) -> None:
