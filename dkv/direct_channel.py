@@ -101,8 +101,10 @@ class DirectChannel:
 
         ``room``: the most bytes the request asked to be sent (a leased
         lookup's ``send``; 0: none). A reply with ``sent`` is followed on the
-        stream by exactly the total of its ``sizes``, read here into a buffer
-        of their own (the second item; ``None`` without ``sent``). A ``sent``
+        stream by exactly the total of its ``sizes``, read here (the second
+        item; ``None`` without ``sent``): into the buffer the reply was read
+        into, sized for the reply and ``room``, which the view keeps alive
+        (account for all of it), else a buffer of their own. A ``sent``
         that is not a list of sizes, or names more than ``room``, or one
         that comes unasked, is a :class:`~dkv.errors.ProtocolError` (the
         stream is out of step: the channel is closed); whether the sizes
