@@ -103,6 +103,10 @@ LEASE_CLOCK_MARGIN = 0.5  # a same-host copy starts at least this long before th
 END_FLUSH_DELAY = 0.05  # a loaded lease no lookup ended by then is ended by an ``end`` request of its own
 DIRECT_RETRY_AFTER = 1.0  # seconds before another attempt to open a direct channel (see NodeClient.want_direct)...
 DIRECT_RETRY_MAX = 30.0  # ...doubled after each one that failed, up to this (a node at its connection cap, say)
+# Listener path: control requests (lookups, releases) go over the node's TCP control socket, on at most this many
+# pooled connections; one that fails to open sends them over UCX for CONTROL_RETRY_AFTER s (see _control_usable)
+CONTROL_POOL = 2
+CONTROL_RETRY_AFTER = 30.0
 FRAME_SLACK = 64  # bytes kept free in every estimated frame (array/map headers that grow with a count)
 # A listener read checks each block as its message lands, and lets UCX progress after every this many
 # bytes checked, so that the node's later messages keep moving meanwhile (UCX answers its rendezvous).
@@ -168,11 +172,12 @@ class _Session:
 
     def __init__(self, conn: Connection | StreamConnection | DirectChannel, info: NodeInfo,
                  mapping: SegmentMapping | None = None,
-                 take_ends: Callable[[], list[int]] | None = None) -> None:
+                 take_ends: Callable[[], list[int]] | None = None, *, control: bool = False) -> None:
         self.conn = conn
         self.info = info
         self.mapping = mapping
         self._take_ends = take_ends
+        self.control = control  # over the node's TCP control socket: pooled apart (see NodeClient._control_usable)
 
     async def request(self, message: dict[str, Any], timeout: float) -> dict[str, Any]:
         """One request and its reply; it carries the leases its client loaded from since (``ends``)."""
@@ -281,6 +286,8 @@ class NodeClient:
         self.reply_spin = reply_spin  # seconds a direct channel polls for each reply before it sleeps on it
         self._pool_size = pool_size
         self._idle: list[_Session] = []
+        self._control_idle: list[_Session] = []  # idle sessions over the node's TCP control socket (listener path)
+        self._control_retry_at = 0.0  # none is opened before this: one failed to open (see _control_usable)
         self._sessions: set[_Session] = set()  # open connections, idle or in use
         self.lease_generation = 0  # moves on each time this client is left with no open connection
         self._open = 0
@@ -384,7 +391,7 @@ class NodeClient:
         return _Session(conn, info, mapping, self._take_ends)
 
     async def _open_peer_control_session(self, port: int, met: NodeInfo) -> _Session:
-        """A session over the node's TCP control socket (same host as dialled, ``port``), for the direct channel.
+        """A session over the node's TCP control socket (same host as dialled, ``port``): control requests or the direct channel.
 
         The node must be the one ``met`` over UCX. No segment is taken (a
         same-host node may offer one: this session is the listener path's).
@@ -395,7 +402,7 @@ class NodeClient:
         except BaseException:
             conn.abort()
             raise
-        return _Session(conn, info)
+        return _Session(conn, info, None, self._take_ends)
 
     async def _take_segment(self, offer: Any, info: NodeInfo) -> SegmentMapping | None:
         """Redeem the handshake's ticket for this namespace's segment (same-host path), or ``None``.
@@ -428,7 +435,8 @@ class NodeClient:
         self._mapping = mapping
         return mapping
 
-    async def _session_call(self, fn: Callable[[_Session], Awaitable[T]]) -> T:
+    async def _session_call(self, fn: Callable[[_Session], Awaitable[T]], control: bool = False) -> T:
+        """``fn`` on a pooled session (one over the TCP control socket with ``control``, when one opens)."""
         if self._closed:
             raise TransportError("client is closed")
         try:
@@ -439,14 +447,15 @@ class NodeClient:
         session = None
         self._busy += 1
         try:
-            session = self._idle.pop() if self._idle else None
+            idle = self._control_idle if control else self._idle
+            session = idle.pop() if idle else None
             if session is not None and session.conn.closed:
                 session.conn.abort()  # closed by the peer while idle: still ours to release
                 self._lost(session)
                 session = None
             pooled = session is not None
             if session is None:
-                session = await self._open_session()
+                session = await (self._open_control_session() if control else self._open_session())
                 with self._lock:
                     self._sessions.add(session)
             try:
@@ -479,8 +488,8 @@ class NodeClient:
         if self._closed:
             session.conn.abort()
             self._lost(session)
-        elif not session.conn.closed:
-            self._idle.append(session)
+        elif not session.conn.closed and not (session.control and len(self._control_idle) >= CONTROL_POOL):
+            (self._control_idle if session.control else self._idle).append(session)
         else:
             session.conn.abort()  # closed by the peer: still ours to release
             self._lost(session)
@@ -506,16 +515,19 @@ class NodeClient:
         sessions = tuple(self._sessions)
         return bool(sessions) and all(s.conn.closed for s in sessions)
 
-    async def _call(self, fn: Callable[[_Session], Awaitable[T]], *, idempotent: bool) -> T:
+    async def _call(self, fn: Callable[[_Session], Awaitable[T]], *, idempotent: bool, control: bool = False) -> T:
+        """``fn`` on a pooled session, with the pool's retries; ``control``: a control request (see :meth:`_control_usable`)."""
+        if control and not self._control_usable():
+            control = False
         if not idempotent or self.retries <= 1:
             try:
-                return await self._session_call(fn)
+                return await self._session_call(fn, control)
             except _StalePooledConnection:
                 if not idempotent:
                     raise
-                return await self._session_call(fn)  # once more, on a connection of its own: what any pool does
+                return await self._session_call(fn, control)  # once more, on a connection of its own: what any pool does
         try:  # the first attempt without the retry machinery (it costs more than a same-host round trip)
-            return await self._session_call(fn)
+            return await self._session_call(fn, control)
         except _Unanswered:
             raise  # a connected node that did not answer in time is hung: asking again only waits as long again
         except TransportError:
@@ -528,11 +540,38 @@ class NodeClient:
             reraise=True,
         ):
             with attempt:
-                return await self._session_call(fn)
+                return await self._session_call(fn, control)
         raise AssertionError("unreachable")
 
-    async def _request(self, message: dict[str, Any], *, idempotent: bool) -> dict[str, Any]:
-        return await self._call(lambda s: s.request(message, self.timeout), idempotent=idempotent)
+    async def _request(self, message: dict[str, Any], *, idempotent: bool, control: bool = False) -> dict[str, Any]:
+        return await self._call(lambda s: s.request(message, self.timeout), idempotent=idempotent, control=control)
+
+    def _control_usable(self) -> bool:
+        """Whether control requests go over the node's TCP control socket (the listener path), not UCX.
+
+        The node announced one (``peer_control``) in a UCX handshake, this
+        client is not on the same-host path (whose every connection is a
+        control socket already), and none failed to open in the last
+        ``CONTROL_RETRY_AFTER`` s (a firewall, say: then UCX carries them).
+        Lookups, their blocks (``send``), releases and lease ends go this way;
+        reads and writes always take UCX, the data plane.
+        """
+        return (self._peer_control is not None and self._control is None
+                and time.monotonic() >= self._control_retry_at)
+
+    async def _open_control_session(self) -> _Session:
+        """A pooled session over the node's TCP control socket; a UCX one (and no more tries for a while) if it fails."""
+        if self._peer_control is not None:
+            try:
+                session = await self._open_peer_control_session(*self._peer_control)
+            except (DKVError, OSError) as exc:
+                self._control_retry_at = time.monotonic() + CONTROL_RETRY_AFTER
+                log.debug("TCP control socket of %s: %s; control requests over UCX for %.0f s", self.address, exc,
+                          CONTROL_RETRY_AFTER)
+            else:
+                session.control = True
+                return session
+        return await self._open_session()
 
     @staticmethod
     def _arena(session: _Session, *, write: bool = False) -> SegmentMapping | None:
@@ -623,7 +662,7 @@ class NodeClient:
 
     async def _presence(self, requests: Sequence[tuple[range, dict[str, Any]]]) -> list[dict[str, Any]]:
         """Send ``requests`` one after the other (each retried on its own); their replies, in order."""
-        return [await self._request(message, idempotent=True) for _, message in requests]
+        return [await self._request(message, idempotent=True, control=True) for _, message in requests]
 
     async def lookup(self, hashes: Sequence[bytes], leaves: Sequence[str], shards: int = 1, *,
                      lease: bool = True, group: int = 0, send: int = 0) -> LookupResult:
@@ -649,7 +688,8 @@ class NodeClient:
         if lease and len(requests) > 1:
             raise ValueError(self._unsplittable("a leased lookup", len(hashes), len(leaves), shards))
         if lease:
-            return await self._call(lambda session: self._leased_lookup(session, requests[0][1]), idempotent=True)
+            return await self._call(lambda session: self._leased_lookup(session, requests[0][1]), idempotent=True,
+                                    control=True)
         masks: dict[str, list[bool]] = {}
         lease_id = None
         for (run, _), reply in zip(requests, await self._presence(requests)):
@@ -1084,7 +1124,7 @@ class NodeClient:
     async def _send_ends(self) -> None:
         while self._ends and not self._closed:
             try:
-                await self._request({"op": "end"}, idempotent=True)  # it carries them as any request does
+                await self._request({"op": "end"}, idempotent=True, control=True)  # it carries them as any request does
             except DKVError as exc:  # the leases lapse with their TTL (or with the connections) instead
                 log.debug("ending loaded leases on %s: %s", self.address, exc)
                 return
@@ -1148,7 +1188,8 @@ class NodeClient:
             slots = self._forget_slots_locked(lease_id)
         if slots is not None and slots.received:
             return False
-        return bool((await self._request({"op": "release", "lease": lease_id}, idempotent=True))["released"])
+        return bool((await self._request({"op": "release", "lease": lease_id}, idempotent=True,
+                                         control=True))["released"])
 
     async def stats(self) -> dict[str, Any]:
         return (await self._request({"op": "stats"}, idempotent=True))["stats"]
@@ -1441,7 +1482,7 @@ class NodeClient:
         with self._lock:
             self._lease_slots.clear()
             self._received_bytes = 0
-        sessions, self._idle = self._idle, []
+        sessions, self._idle, self._control_idle = self._idle + self._control_idle, [], []
         await asyncio.gather(*(s.conn.close() for s in sessions), return_exceptions=True)
         if self._mapping is not None:
             self._mapping.close()

@@ -1,7 +1,8 @@
 """A leased lookup that asks for its blocks' bytes (``send``) gets them with its answer: real node processes.
 
 The node reads every leased block as a read that ends the lease would, sends
-them after its answer, and holds nothing for the lease afterwards; the
+them after its answer (over UCX, or the node's TCP control socket where the
+client asks there), and holds nothing for the lease afterwards; the
 client checks each block as it lands and copies them for the lease's load
 with no request (see :mod:`dkv.wire`). Where the node does not send (more
 bytes than asked, a block without a checksum, the same-host path, a node
@@ -61,12 +62,14 @@ def payload_receives(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     return posted
 
 
-@pytest.mark.parametrize("one_message", [True, False], ids=["in-the-answer-s-message", "after-the-answer"])
-async def test_a_lookup_that_asks_gets_its_blocks_and_their_load_asks_nothing_more(node, clients, monkeypatch,
+@pytest.mark.parametrize("way", ["ucx-in-the-answer-s-message", "ucx-after-the-answer", "tcp-control-socket"])
+async def test_a_lookup_that_asks_gets_its_blocks_and_their_load_asks_nothing_more(node_factory, clients, monkeypatch,
                                                                                   payload_receives: list[Any],
-                                                                                  one_message: bool) -> None:
-    """The blocks come in the answer's own UCX message where the client made room, else as payload messages after it."""
-    if not one_message:
+                                                                                  way: str) -> None:
+    """Over UCX the blocks come in the answer's own message where the client made room, else as payload messages
+    after it; over the node's TCP control socket, right after the answer on the stream."""
+    node = node_factory(*(() if way == "tcp-control-socket" else ("--peer-control-port", "off")))
+    if way == "ucx-after-the-answer":
         monkeypatch.setattr(dkv.client, "TRAILING_MAX", 0)  # the client makes no room: the node sends them after
     writer = clients(node.address)
     h = [os.urandom(32) for _ in range(5)]
@@ -77,7 +80,8 @@ async def test_a_lookup_that_asks_gets_its_blocks_and_their_load_asks_nothing_mo
     found = await reader.lookup(h, ["a", "b"], 2, send=ASK)
     assert found.received and found.rejected == 0
     assert found.masks == {"a": [True] * 5, "b": [True, False, True, False, True]}
-    assert len(payload_receives) == (0 if one_message else 1)
+    assert len(payload_receives) == (1 if way == "ucx-after-the-answer" else 0)
+    assert bool(reader._target._control_idle) == (way == "tcp-control-socket")  # noqa: SLF001 - where it was asked
     stats = await node_stats(node.address)
     assert stats["lookups_with_payload"] == 1
     assert stats["leases"] == 0 and stats["reads"] == 0 and stats["pinned_blocks"] == 0  # nothing held for it
@@ -92,8 +96,9 @@ async def test_a_lookup_that_asks_gets_its_blocks_and_their_load_asks_nothing_mo
 
 
 async def test_an_answer_too_large_to_carry_its_blocks_sends_them_after_it_though_the_client_made_room(
-        node, clients, monkeypatch, payload_receives: list[Any]) -> None:
-    """1,024 small blocks: their sizes and checksums make the answer's body larger than an inline one."""
+        node_factory, clients, monkeypatch, payload_receives: list[Any]) -> None:
+    """1,024 small blocks: their sizes and checksums make the answer's body larger than an inline one (over UCX)."""
+    node = node_factory("--peer-control-port", "off")
     writer = clients(node.address)
     h = [os.urandom(32) for _ in range(1024)]
     data = {BlockKey("a", 0, x): os.urandom(64) for x in h}
