@@ -348,6 +348,11 @@ class NodeClient:
         session = _Session(conn, info, mapping, self._take_ends)
         port = reply.get("peer_control")
         if mapping is None and type(port) is int and 0 < port < 65536:  # noqa: E721 - (bool is no port)
+            known = self._peer_control
+            if known is None or (known[0], known[1].node_id, known[1].epoch) != (port, info.node_id, info.epoch):
+                # another node, or one restarted: what failed against the last one is tried again at once
+                self._control_retry_at = 0.0
+                self._direct_tried_at, self._direct_retry_after = -DIRECT_RETRY_AFTER, DIRECT_RETRY_AFTER
             self._peer_control = (port, info)
         control = reply["shm"].get("control") if mapping is not None else None
         if isinstance(control, str):

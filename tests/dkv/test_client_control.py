@@ -101,3 +101,25 @@ async def test_a_same_host_client_keeps_its_control_requests_on_its_own_control_
     assert not raw._control_usable() and not raw._control_idle  # noqa: SLF001
     assert all(s.conn.peer.startswith("local:") for s in raw._idle)  # noqa: SLF001
     assert await reader.release(found.lease_id)
+
+
+async def test_a_restarted_node_s_new_control_socket_is_used_as_soon_as_a_handshake_announces_it(
+        node_factory, clients) -> None:
+    first = node_factory("--pool", "16MiB")
+    port = int(first.ready["port"])
+    hashes, _ = await _stored(first.address, clients, 2)
+    reader = clients(first.address, local=False)
+    raw = reader._target  # noqa: SLF001
+    await reader.connect()
+    assert (await reader.lookup(hashes, ["L"], lease=False)).masks == {"L": [True, True]}
+    old_control = raw._peer_control[0]  # noqa: SLF001
+    assert raw._control_idle  # noqa: SLF001
+
+    first.kill()
+    node_factory("--pool", "16MiB", listen=f"127.0.0.1:{port}", ready_timeout=20.0)  # another control port
+    # the old control port is gone: this one goes over UCX, whose handshake announces the new one
+    assert (await reader.lookup(hashes, ["L"], lease=False)).masks == {"L": [False, False]}
+    new_control = raw._peer_control[0]  # noqa: SLF001
+    assert new_control != old_control
+    assert (await reader.lookup(hashes, ["L"], lease=False)).masks == {"L": [False, False]}
+    assert [s.conn.peer for s in raw._control_idle] == [f"tcp:127.0.0.1:{new_control}"]  # noqa: SLF001
