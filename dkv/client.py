@@ -9,9 +9,12 @@ jittered exponential back-off on transport errors; reads and writes are not
 When the node runs on this machine, each connection trades the one-time
 ticket of its handshake for a descriptor of *its own namespace's* segment
 (:mod:`dkv.handover`; read-only for a read-only credential) and reads and
-writes copy straight through that mapping, with only the control messages
-crossing UCX ("the same-host path"); otherwise block bytes travel as UCX
-messages ("the listener path"). ``local=False`` forces the listener path.
+writes copy straight through that mapping, with the control messages on the
+node's same-host control socket ("the same-host path"); otherwise block
+bytes travel as UCX messages ("the listener path"), and the control requests
+go over the node's TCP control socket where it announced one (lookups with
+the few blocks they ask for, probes, touches, releases, lease ends).
+``local=False`` forces the listener path.
 
 The handshake is mutual (:func:`handshake`): the client proves its credential
 (the cluster token, a tenant's secret, or a tokenless node's local credential
@@ -103,8 +106,9 @@ LEASE_CLOCK_MARGIN = 0.5  # a same-host copy starts at least this long before th
 END_FLUSH_DELAY = 0.05  # a loaded lease no lookup ended by then is ended by an ``end`` request of its own
 DIRECT_RETRY_AFTER = 1.0  # seconds before another attempt to open a direct channel (see NodeClient.want_direct)...
 DIRECT_RETRY_MAX = 30.0  # ...doubled after each one that failed, up to this (a node at its connection cap, say)
-# Listener path: control requests (lookups, releases) go over the node's TCP control socket, on at most this many
-# pooled connections; one that fails to open sends them over UCX for CONTROL_RETRY_AFTER s (see _control_usable)
+# Listener path: control requests (lookups, probes, touches, releases, ends) go over the node's TCP control socket,
+# at most this many of its connections kept idle; one that fails to open sends them over UCX for
+# CONTROL_RETRY_AFTER s (see NodeClient._control_usable)
 CONTROL_POOL = 2
 CONTROL_RETRY_AFTER = 30.0
 FRAME_SLACK = 64  # bytes kept free in every estimated frame (array/map headers that grow with a count)
@@ -298,7 +302,7 @@ class NodeClient:
         self._holds_transport = False  # counted as a user of UCX from the first connection until close
         self._busy = 0  # sessions checked out of the pool
         self._control: tuple[str, NodeInfo] | None = None  # the node's control socket, once met over UCX
-        # the node's TCP control port (listener path: for the direct channel only), once met over UCX
+        # the node's TCP control port (listener path: its control requests and direct channel), once met over UCX
         self._peer_control: tuple[int, NodeInfo] | None = None
         # the lease book-keeping below and the set of sessions are shared with the thread that uses the
         # direct channel (lookup_direct), so they change under this lock
@@ -558,8 +562,9 @@ class NodeClient:
         client is not on the same-host path (whose every connection is a
         control socket already), and none failed to open in the last
         ``CONTROL_RETRY_AFTER`` s (a firewall, say: then UCX carries them).
-        Lookups, their blocks (``send``), releases and lease ends go this way;
-        reads and writes always take UCX, the data plane.
+        Lookups (with the blocks they ask for: ``send``), probes, touches,
+        releases and lease ends go this way; reads and writes always take
+        UCX, the data plane.
         """
         return (self._peer_control is not None and self._control is None
                 and time.monotonic() >= self._control_retry_at)
