@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 
 import pytest
 
 from dkv import client as client_module
+from dkv.errors import TransportError
 from dkv.keys import BlockKey
 from dkv.stream_channel import StreamConnection
 from dkv.transport import Connection
@@ -75,20 +75,26 @@ async def test_concurrent_lookups_keep_at_most_a_small_pool_of_control_connectio
     assert 1 <= len(raw._control_idle) <= client_module.CONTROL_POOL  # noqa: SLF001
 
 
-async def test_a_control_socket_the_client_cannot_reach_sends_control_requests_over_ucx(node_factory, clients) -> None:
+async def test_a_control_socket_the_client_cannot_reach_sends_control_requests_over_ucx(node_factory, clients,
+                                                                                        monkeypatch) -> None:
     node = node_factory("--pool", "16MiB")
     hashes, _ = await _stored(node.address, clients, 2)
     reader = clients(node.address, local=False)
     raw = reader._target  # noqa: SLF001
     await reader.connect()
-    with socket.socket() as closed:
-        closed.bind(("127.0.0.1", 0))
-        unreachable = closed.getsockname()[1]  # nothing listens there once this is closed
-    raw._peer_control = (unreachable, raw._peer_control[1])  # noqa: SLF001 - as a firewall would leave it
+    tried: list[int] = []
+
+    async def firewalled(host: str, port: int, timeout: float) -> None:  # as a firewall that drops the port
+        tried.append(port)
+        raise TransportError(f"cannot reach the node's control socket: {host}:{port} timed out")
+
+    monkeypatch.setattr(client_module, "connect_tcp", firewalled)
     found = await reader.lookup(hashes, ["L"], group=1)
     assert found.masks == {"L": [True, True]}
     assert not raw._control_idle and not raw._control_usable()  # noqa: SLF001 - UCX for a while
     assert await reader.release(found.lease_id)
+    assert (await reader.lookup(hashes, ["L"], lease=False)).masks == {"L": [True, True]}
+    assert tried == [raw._peer_control[0]]  # noqa: SLF001 - tried once, not again on every request
 
 
 async def test_a_same_host_client_keeps_its_control_requests_on_its_own_control_socket(node_factory, clients) -> None:
