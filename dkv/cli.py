@@ -160,7 +160,7 @@ def serve(
     idle_timeout: Annotated[float, typer.Option(help="Seconds a connection may sit idle; then it is closed once it holds nothing live (clients reconnect by themselves).")] = 60.0,
     max_cost: Annotated[int, typer.Option(help="Hashes x leaves x shards one lookup, probe or touch may cost; more is refused (clients split unleased ones).")] = 16384,
     max_lookup_payload: Annotated[str, typer.Option(help="Block bytes a leased lookup's answer may carry for a client that asks (its load then needs no round trip); 0: never.")] = "1MiB",
-    peer_control_port: Annotated[str, typer.Option(help="TCP port, on the --listen host, of the control socket clients on other hosts use for lookups on their calling thread (0: a free one, announced in the handshake; off: none).")] = "0",
+    peer_control_port: Annotated[str, typer.Option(help="TCP port, on the --listen host, of the control socket clients on other hosts send their control requests to (lookups, releases; lookups on their calling thread too). 0: a free one, announced in the handshake; off: none (they use UCX).")] = "0",
     etcd: Annotated[Optional[str], typer.Option(help="etcd endpoints URL[,URL...]: join a cluster (membership + directory).")] = None,
     cluster: Annotated[str, typer.Option(help="Cluster name (etcd keys live under PREFIX/CLUSTER/).")] = "default",
     etcd_prefix: Annotated[str, typer.Option(help="etcd key prefix.")] = "/dkv",

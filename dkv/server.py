@@ -221,7 +221,8 @@ class NodeServer:
         self.credentials = Credentials(Credential(CLUSTER, cluster_secret), config.tenants)
         self.handover = HandoverServer(label, self._share_segment, self._segment_granted)
         self.control = LocalListener(label, self._serve)  # same-host clients' control path (dkv.stream_channel)
-        # other hosts' clients' calling-thread lookups (dkv.direct_channel), on the host peers dial
+        # the control requests of clients on the listener path (other hosts), their calling-thread lookups
+        # too (dkv.direct_channel), on the host peers dial
         self.peer_control = (TcpListener(config.host, config.peer_control_port, self._serve)
                              if config.peer_control_port is not None else None)
         self.store = Store(

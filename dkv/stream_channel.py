@@ -579,7 +579,12 @@ class TcpListener(StreamListener):
         self.host, self.port = host, port
 
     def _listen(self) -> socket.socket:
-        sock = listen_tcp(self.host, self.port, BACKLOG)
+        """:class:`TransportError` (said plainly) when the address cannot be had: a port in use, say."""
+        try:
+            sock = listen_tcp(self.host, self.port, BACKLOG)
+        except OSError as exc:
+            raise TransportError(f"cannot listen for the TCP control socket on {self.host}:{self.port}: "
+                                 f"{exc.strerror or exc} (--peer-control-port)") from exc
         self.port = sock.getsockname()[1]
         return sock
 

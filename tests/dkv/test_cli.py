@@ -47,6 +47,19 @@ def test_a_bad_peer_control_port_is_a_clear_error() -> None:
         assert result.returncode == 2 and "peer" in result.stderr.lower() and "port" in result.stderr, result.stderr
 
 
+def test_a_peer_control_port_in_use_is_a_clear_error() -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        result = _dkv("serve", "--pool", "1MiB", "--peer-control-port", str(port))
+    assert result.returncode == 2, result.stderr
+    assert f"127.0.0.1:{port}" in result.stderr and "--peer-control-port" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and "╭" not in result.stderr, result.stderr
+
+
 def test_sigterm_is_a_graceful_shutdown_that_leaves_nothing(tmp_path) -> None:
     spill = tmp_path / "spill"
     spill.mkdir()
