@@ -73,6 +73,7 @@ from dkv.transport import (INLINE_MAX, TRAILING_MAX, Connection, connect, hold_t
                            release_transport)
 from dkv.units import parse_address
 from dkv.wire import (
+    FEATURE_READ_RUNS,
     HEADER_SIZE,
     MAX_FRAME,
     MAX_KEYS,
@@ -126,6 +127,14 @@ class NodeInfo:
     epoch: str
     host: str
     limits: dict[str, Any]
+    features: frozenset[str] = frozenset()  # what it serves beyond the base protocol (dkv.wire.FEATURES)
+
+    @classmethod
+    def from_reply(cls, reply: dict[str, Any]) -> NodeInfo:
+        """What a handshake ``reply`` says (a malformed ``features`` reads as none)."""
+        features = reply.get("features")
+        return cls(reply["node"], reply["epoch"], reply["host"], reply.get("limits", {}),
+                   frozenset(f for f in features if isinstance(f, str)) if isinstance(features, list) else frozenset())
 
 
 @dataclass(frozen=True)
@@ -307,7 +316,9 @@ class NodeClient:
         # the lease book-keeping below and the set of sessions are shared with the thread that uses the
         # direct channel (lookup_direct), so they change under this lock
         self._lock = threading.Lock()
-        self._group_leases: dict[int, int] = {}  # group -> its latest lease with a slot map
+        self._group_leases: dict[int, int] = {}  # group -> its latest lease (bounded)
+        # lease -> the hashes its lookup named, until its read: a read then names its blocks by place (bounded)
+        self._lease_hashes: dict[int, Sequence[bytes]] = {}
         self._lease_slots: dict[int, LeaseSlots] = {}  # same-host leases' slot maps, until their load (bounded)
         self._received_bytes = 0  # held in _lease_slots' received blocks (see MAX_RECEIVED_BYTES)
         self._ends: list[int] = []  # leases loaded from on the same-host path, to end with the next request
@@ -343,7 +354,7 @@ class NodeClient:
         try:
             reply = await handshake(conn, self.namespace, secret=self.token, tenant=self.tenant,
                                     client_id=self.client_id, timeout=self.timeout)
-            info = NodeInfo(reply["node"], reply["epoch"], reply["host"], reply.get("limits", {}))
+            info = NodeInfo.from_reply(reply)
             mapping = await self._take_segment(reply.get("shm"), info)
         except BaseException:
             conn.abort()
@@ -380,7 +391,7 @@ class NodeClient:
         """
         reply = await handshake(conn, self.namespace, secret=self.token, tenant=self.tenant,
                                 client_id=self.client_id, timeout=self.timeout)
-        info = NodeInfo(reply["node"], reply["epoch"], reply["host"], reply.get("limits", {}))
+        info = NodeInfo.from_reply(reply)
         if (info.node_id, info.epoch) != (met.node_id, met.epoch):
             raise TransportError(f"the {what} of {self.address} answers as another node")
         return reply, info
@@ -742,8 +753,9 @@ class NodeClient:
             message = {**message, "slots": True}
         with self._lock:
             previous = self._group_leases.pop(message["group"], None)
-            if previous is not None:
+            if previous is not None:  # (the node ends it with this lookup: its load is refused, not copied or read)
                 self._forget_slots_locked(previous)
+                self._lease_hashes.pop(previous, None)
             room = MAX_RECEIVED_BYTES - self._received_bytes
         if "send" in message:
             distinct = len(set(message["leaves"])) == len(message["leaves"])  # (the blocks' order names each once)
@@ -842,6 +854,9 @@ class NodeClient:
         """What a leased lookup's ``reply`` says; a slot map it carries is kept for the lease's load."""
         masks = _unpack_masks(reply["masks"], len(message["hashes"]))
         lease_id = reply.get("lease")
+        if lease_id is not None:
+            with self._lock:
+                self._remember_lease_locked(lease_id, message["group"], message["hashes"])
         if mapping is not None and lease_id is not None and "slots" in reply:
             ttl = float(reply.get("ttl") or 0.0)
             slots = LeaseSlots(mapping, message["hashes"], message["shards"], reply["slots"],
@@ -856,11 +871,22 @@ class NodeClient:
             self._lease_slots[lease_id] = slots
             if slots.received:
                 self._received_bytes += slots.mapping.held
-            self._group_leases[group] = lease_id
+            self._remember_lease_locked(lease_id, group)
             while len(self._lease_slots) > MAX_REMEMBERED_LEASES or self._received_bytes > MAX_RECEIVED_BYTES:
                 self._forget_slots_locked(next(iter(self._lease_slots)))
-            while len(self._group_leases) > MAX_REMEMBERED_LEASES:
-                self._group_leases.pop(next(iter(self._group_leases)))
+
+    def _remember_lease_locked(self, lease_id: int, group: int, hashes: Sequence[bytes] | None = None) -> None:
+        """Under ``_lock``: ``lease_id`` is ``group``'s latest lease; ``hashes``, its lookup's, are kept for its read.
+
+        Bounded (the oldest are forgotten: a read of such a lease names its keys).
+        """
+        self._group_leases[group] = lease_id
+        while len(self._group_leases) > MAX_REMEMBERED_LEASES:
+            self._group_leases.pop(next(iter(self._group_leases)))
+        if hashes is not None:
+            self._lease_hashes[lease_id] = hashes
+            while len(self._lease_hashes) > MAX_REMEMBERED_LEASES:
+                self._lease_hashes.pop(next(iter(self._lease_hashes)))
 
     def _forget_slots_locked(self, lease_id: int) -> LeaseSlots | None:
         """Under ``_lock``: take ``lease_id``'s slot map out of the book (its received bytes no longer count)."""
@@ -1196,6 +1222,7 @@ class NodeClient:
         """
         with self._lock:
             slots = self._forget_slots_locked(lease_id)
+            self._lease_hashes.pop(lease_id, None)
         if slots is not None and slots.received:
             return False
         return bool((await self._request({"op": "release", "lease": lease_id}, idempotent=True,
@@ -1237,8 +1264,9 @@ class NodeClient:
         if len(keys) != len(dests):
             raise ValueError("read: one destination per key")
         views = [_byte_view(d) for d in dests]
-        if slots is None:
-            with self._lock:
+        with self._lock:
+            looked_up = self._lease_hashes.pop(lease_id, None) if end_lease else self._lease_hashes.get(lease_id)
+            if slots is None:
                 slots = self._forget_slots_locked(lease_id) if end_lease else self._lease_slots.get(lease_id)
         # a lease this client knows ended (its TTL, a later lookup of its group, a release) loads the two-step
         # way, which the node refuses; a copy under a lease ended by anything else fails its checksums
@@ -1252,11 +1280,13 @@ class NodeClient:
                                     base={"op": "read", "lease": lease_id, "keys": [], "end": True, "shm": True})
         # deepest run first: each run is stamped as one use, so the root's run gets the newest stamp
         # and the chain still evicts deepest first (as a split touch does)
+        depth_of = dict(zip(looked_up, range(len(looked_up)))) if looked_up else None  # a hash named twice: its last
         for i, run in enumerate(reversed(runs)):
             last = i == len(runs) - 1
+            run_keys = wire_keys[run.start:run.stop]
             try:
-                await self._read_run(lease_id, wire_keys[run.start:run.stop], views[run.start:run.stop],
-                                     end_lease and last)
+                await self._read_run(lease_id, run_keys, views[run.start:run.stop], end_lease and last,
+                                     _places(run_keys, depth_of) if depth_of is not None else None)
             except ChecksumMismatch:
                 if end_lease and not last:  # the runs left will not be read: end the lease now, not at its TTL
                     with contextlib.suppress(DKVError):
@@ -1280,8 +1310,12 @@ class NodeClient:
                             item_bytes=sizes, fixed_bytes=len(encode_body(base)) + FRAME_SLACK)
 
     async def _read_run(self, lease_id: int, wire_keys: list[Any], views: list[memoryview],
-                        end_lease: bool) -> None:
+                        end_lease: bool, places: list[list[Any]] | None = None) -> None:
         """One read request (see :meth:`read`), then the check of each block against its checksum.
+
+        ``places``: the same blocks as runs of places in the lease's lookup
+        (:func:`_places`); the request names them so where the node serves it
+        (``read_runs``), by key otherwise.
 
         The check runs on the destinations, once the bytes are there and the
         connection is back in the pool: after the receive (listener path), or
@@ -1298,10 +1332,10 @@ class NodeClient:
         async def run(session: _Session) -> Any:
             known[:] = [None] * len(views)  # (a run is tried once; afresh if it ever were again)
             mapping = self._arena(session)
+            named = ({"runs": places} if places is not None and FEATURE_READ_RUNS in session.info.features
+                     else {"keys": wire_keys})
             reply = await session.request(
-                {"op": "read", "lease": lease_id, "keys": wire_keys, "end": end_lease, "shm": mapping is not None},
-                self.timeout,
-            )
+                {"op": "read", "lease": lease_id, **named, "end": end_lease, "shm": mapping is not None}, self.timeout)
             sizes = reply["sizes"]
             if len(sizes) != len(views):
                 raise ProtocolError("read reply names a different number of blocks")
@@ -1491,6 +1525,7 @@ class NodeClient:
             self._lost(direct)
         with self._lock:
             self._lease_slots.clear()
+            self._lease_hashes.clear()
             self._received_bytes = 0
         sessions, self._idle, self._control_idle = self._idle + self._control_idle, [], []
         await asyncio.gather(*(s.conn.close() for s in sessions), return_exceptions=True)
@@ -1605,6 +1640,35 @@ def _fine_leaf(leaf: str) -> bool:
         return bool(check_leaf(leaf))
     except ValueError:
         return False
+
+
+def _places(wire_keys: Sequence[Any], depth_of: dict[bytes, int]) -> list[list[Any]] | None:
+    """``wire_keys`` as runs ``[leaf, shard, first, stop]`` of places in their lease's lookup (see :mod:`dkv.wire`).
+
+    ``depth_of``: each hash the lookup named -> its place (the last, for one
+    named twice: where the node holds it). None when a key's hash is not
+    among them (the read then names its keys). Keys of one leaf and shard at
+    consecutive places (a load's usual shape) are one run, found in C-speed
+    passes; any other shape key by key.
+    """
+    if not wire_keys:
+        return None
+    try:
+        depths = list(map(depth_of.__getitem__, map(operator.itemgetter(2), wire_keys)))
+    except KeyError:
+        return None
+    leaf, shard, _ = wire_keys[0]
+    first = depths[0]
+    if (depths == list(range(first, first + len(depths))) and set(map(operator.itemgetter(0), wire_keys)) == {leaf}
+            and set(map(operator.itemgetter(1), wire_keys)) == {shard}):
+        return [[leaf, shard, first, first + len(depths)]]
+    runs: list[list[Any]] = []
+    for (leaf, shard, _), depth in zip(wire_keys, depths):
+        if runs and runs[-1][0] == leaf and runs[-1][1] == shard and runs[-1][3] == depth:
+            runs[-1][3] = depth + 1
+        else:
+            runs.append([leaf, shard, depth, depth + 1])
+    return runs
 
 
 def _wire_keys(keys: Sequence[BlockKey]) -> list[Any]:

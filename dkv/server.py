@@ -56,6 +56,7 @@ from dkv.transport import (Connection, Listener, active_progress_mode, payload_g
                            stop_progress)
 from dkv.units import is_loopback
 from dkv.wire import (
+    FEATURES,
     MAX_FRAME,
     MAX_KEYS,
     MAX_LEAVES,
@@ -617,6 +618,7 @@ class NodeServer:
                 "proof": node_proof(credential.secret, nonce, hello["cnonce"], self.config.node_id),
                 "shm": shm,
                 "peer_control": self.peer_control.port if self.peer_control is not None else None,
+                "features": list(FEATURES),
                 "limits": {"max_frame": MAX_FRAME, "max_keys": MAX_KEYS, "max_leaves": MAX_LEAVES,
                            "lease_ttl": self.config.lease_ttl, "read_ttl": self.config.read_ttl,
                            "max_leases": self.config.max_leases_per_client, "max_cost": self.config.max_cost,
@@ -859,8 +861,13 @@ class NodeServer:
         path: they drop on the client's ``done`` (which answers whether they
         were still held), the read TTL, or the connection's end.
         """
-        read = self.store.begin_read(req["lease"], peer.client_owner, self._keys(peer, req["keys"]),
-                                     reader=peer.conn_owner)
+        if ("keys" in req) == ("runs" in req):
+            raise ProtocolError("read: name the blocks by 'keys' or by 'runs', exactly one")
+        if "runs" in req:
+            read = self.store.begin_read(req["lease"], peer.client_owner, runs=req["runs"], reader=peer.conn_owner)
+        else:
+            read = self.store.begin_read(req["lease"], peer.client_owner, self._keys(peer, req["keys"]),
+                                         reader=peer.conn_owner)
         if req["end"]:
             self.store.end_lease(req["lease"])
         sizes, sums = read.sizes, read.checksums  # the client checks what it received against the sums

@@ -58,6 +58,7 @@ Contracts (DESIGN.md §3):
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import logging
@@ -67,7 +68,7 @@ import time
 from array import array
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from dkv.arena import PAGE, Arena, align_up
 from dkv.disk_tier import MISSING, DiskEntry, DiskTier, fault_of
@@ -147,7 +148,10 @@ class Lease:
     depths: list[int]  # each one's depth in the looked-up run
     expires_at: float
     tenant: str = ""  # the credential of the client that looked up (its lease quota pays for it)
+    # (leaf, shard) when the lookup asked for one leaf of one shard: the blocks are then in strictly rising depth
+    column: tuple[str, int] | None = None
     _keys: dict[StoreKey, int] | None = None
+    _places: dict[tuple[str, int, int], int] | None = None
 
     @property
     def keys(self) -> dict[StoreKey, int]:
@@ -159,6 +163,36 @@ class Lease:
         if self._keys is None:
             self._keys = {block.key: i for i, block in enumerate(self.blocks)}
         return self._keys
+
+    def at_runs(self, runs: Sequence[Sequence[Any]]) -> list[int]:
+        """The indices in :attr:`blocks` of the places ``runs`` name, in order; ``KeyError`` for one not held.
+
+        A run ``[leaf, shard, first, stop]`` names the blocks of ``leaf`` and
+        ``shard`` whose hashes were at ``first`` .. ``stop - 1`` in the
+        lookup's hash list (a block's depth: a hash named twice is held at its
+        last place). A lease of one leaf and one shard answers by bisection
+        (its depths rise strictly), any other from a map built on first use.
+        """
+        out: list[int] = []
+        column, depths = self.column, self.depths
+        for leaf, shard, first, stop in runs:
+            count = stop - first
+            if count <= 0:
+                raise KeyError((leaf, shard, first))
+            if column is not None:
+                if (leaf, shard) != column:
+                    raise KeyError((leaf, shard, first))
+                at = bisect.bisect_left(depths, first)
+                if at + count > len(depths) or depths[at] != first or depths[at + count - 1] != stop - 1:
+                    raise KeyError((leaf, shard, first))
+                out += range(at, at + count)  # rising integers, first and last as asked: every depth between
+                continue
+            if self._places is None:
+                self._places = {(block.key.leaf, block.key.shard, depth): i
+                                for i, (block, depth) in enumerate(zip(self.blocks, depths))}
+            places = self._places
+            out += [places[(leaf, shard, depth)] for depth in range(first, stop)]
+        return out
 
 
 Use = tuple[list[Block], list[int]]  # one use still to be stamped: blocks and their depths (see Store.stamp_uses)
@@ -544,7 +578,8 @@ class Store:
             depths: list[int] = []
             try:
                 masks = self._pin_present(namespace, hashes, leaves, shards, held, depths, promoted, slots)
-                lease = self._grant(owner, group, held, depths, tenant) if held else None  # nothing found: nothing to hold
+                column = (leaves[0], 0) if len(leaves) == 1 and shards == 1 else None  # see Lease.at_runs
+                lease = self._grant(owner, group, held, depths, tenant, column) if held else None  # nothing found: nothing to hold
                 if slots is not None and lease is not None and shards != 1:
                     slots.update(self.lease_slots(lease, namespace, hashes, leaves, shards))
             except BaseException:
@@ -646,7 +681,8 @@ class Store:
         pinned[key] = 0
         return True
 
-    def _grant(self, owner: str, group: int, held: list[Block], depths: list[int], tenant: str = "") -> Lease:
+    def _grant(self, owner: str, group: int, held: list[Block], depths: list[int], tenant: str = "",
+               column: tuple[str, int] | None = None) -> Lease:
         """A new lease, within the owner's, the credential's and the node's bounds; NodeBusy changes nothing."""
         owned = self._owner_leases.get(owner, {})
         usage = self._tenant(tenant)
@@ -664,7 +700,7 @@ class Store:
         while usage.leases and len(usage.leases) >= usage.limits.leases:
             self.counters.leases_dropped_over_quota += 1
             self.end_lease(next(iter(usage.leases)))
-        lease = Lease(next(self._ids), owner, group, held, depths, self.clock() + self.lease_ttl, tenant)
+        lease = Lease(next(self._ids), owner, group, held, depths, self.clock() + self.lease_ttl, tenant, column)
         self.leases[lease.lease_id] = lease
         owned[lease.lease_id] = None
         usage.leases[lease.lease_id] = None
@@ -675,9 +711,13 @@ class Store:
 
     # ---- reads under a lease ----------------------------------------------------------------
 
-    def begin_read(self, lease_id: int, lease_owner: str, keys: Sequence[StoreKey], *,
-                   reader: str | None = None) -> ReadPlan:
+    def begin_read(self, lease_id: int, lease_owner: str, keys: Sequence[StoreKey] | None = None, *,
+                   runs: Sequence[Sequence[Any]] | None = None, reader: str | None = None) -> ReadPlan:
         """Start a read of ``keys`` (all covered by ``lease_owner``'s live lease ``lease_id``).
+
+        Or, instead of ``keys``, of the blocks ``runs`` name by their place in
+        the lease's lookup (:meth:`Lease.at_runs`): the same read, without a
+        key to build or look up per block.
 
         The read takes its own pin on each block (``reader``, the connection
         moving the bytes, owns it; default ``lease_owner``), so ending the lease
@@ -693,14 +733,22 @@ class Store:
         if lease is None or lease.owner != lease_owner:
             self.counters.reads_refused += 1
             raise LeaseExpired("lease_expired", f"lease {lease_id} is not held (expired, ended or never granted)")
-        covered = lease.keys
-        try:  # one lookup a key: its index in the lease gives its block and its depth
-            at = list(map(covered.__getitem__, keys))
-        except KeyError:
-            missing = [k for k in keys if k not in covered]
-            self.counters.reads_refused += 1
-            raise LeaseExpired("lease_expired",
-                               f"{len(missing)} requested block(s) are not covered by lease {lease_id}") from None
+        if runs is not None:
+            try:
+                at = lease.at_runs(runs)
+            except KeyError as exc:
+                self.counters.reads_refused += 1
+                raise LeaseExpired("lease_expired", f"lease {lease_id} does not hold a block at {exc.args[0]} "
+                                                    "(leaf, shard, place in its lookup)") from None
+        else:
+            covered = lease.keys
+            try:  # one lookup a key: its index in the lease gives its block and its depth
+                at = list(map(covered.__getitem__, keys or ()))
+            except KeyError:
+                missing = [k for k in keys or () if k not in covered]
+                self.counters.reads_refused += 1
+                raise LeaseExpired("lease_expired",
+                                   f"{len(missing)} requested block(s) are not covered by lease {lease_id}") from None
         distinct = at if len(set(at)) == len(at) else list(dict.fromkeys(at))
         blocks, depths = lease.blocks, lease.depths
         held = list(map(blocks.__getitem__, distinct))  # (a lease's blocks stay indexed while it holds them)

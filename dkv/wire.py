@@ -95,6 +95,18 @@ is inline: one message instead of two, each side posting and completing one
 UCX request fewer. A receiver that made no such room refuses a header with
 ``FLAG_TRAILING`` (:func:`decode_header`).
 
+A ``read`` names its blocks (all held by its ``lease``) either by key,
+``"keys": [[leaf, shard, hash], ...]``, or, where the node's handshake reply
+lists ``"read_runs"`` in its ``"features"``, by their place in the lookup
+that granted the lease: ``"runs": [[leaf, shard, first, stop], ...]``, each
+the blocks of that leaf and shard whose hashes were at ``first`` ..
+``stop - 1`` in the lookup's hash list (a hash named twice is held at its
+last place), in that order. Exactly one of the two. A run of 256 blocks is a
+few bytes where their keys are ~10 KB (over UCX's eager size: a rendezvous
+more), and the node finds their blocks without building or looking up a key
+per block. A place the lease does not hold is refused as an uncovered key
+is (``lease_expired``).
+
 Reads pin for themselves: a ``read`` takes its own pins on its blocks (and,
 with ``end``, ends its lease at once), held until the bytes have left. On the
 listener path that is when the node's sends finish; on the same-host path
@@ -122,6 +134,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import operator
 import struct
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -305,6 +318,20 @@ def _keys(v: object) -> bool:
     return _leaf_list(leaves) and _ints_within(shards, 0, MAX_TP_SHARDS - 1) and plain_hashes(hashes)
 
 
+def _runs(v: object) -> bool:
+    """A read's blocks by place (``[leaf, shard, first, stop]`` each, ``first < stop``), at most MAX_KEYS in all."""
+    if not isinstance(v, list) or len(v) > MAX_KEYS:
+        return False
+    if not v:
+        return True
+    if not _all_of_type(v, list) or set(map(len, v)) != {4}:
+        return False
+    leaves, shards, firsts, stops = zip(*v)
+    return (_leaf_list(leaves) and _ints_within(shards, 0, MAX_TP_SHARDS - 1) and _ints_within(firsts, 0, MAX_KEYS - 1)
+            and _ints_within(stops, 1, MAX_KEYS) and all(map(operator.lt, firsts, stops))
+            and sum(stops) - sum(firsts) <= MAX_KEYS)
+
+
 def _sizes(v: object) -> bool:
     return isinstance(v, list) and len(v) <= MAX_KEYS and _ints_within(v, 0, 2**40)
 
@@ -312,6 +339,11 @@ def _sizes(v: object) -> bool:
 def _sums(v: object) -> bool:
     return isinstance(v, list) and len(v) <= MAX_KEYS and _all_of_type(v, bytes) and set(map(len, v)) <= {CHECKSUM_SIZE}
 
+
+# What a node of this build serves beyond the base protocol, listed in its handshake reply ("features"):
+# a client uses one only where its node lists it (a fleet mid-upgrade mixes builds)
+FEATURE_READ_RUNS = "read_runs"  # a read may name its blocks by "runs" (see the module docstring)
+FEATURES = (FEATURE_READ_RUNS,)
 
 MAX_ENDS = 1024  # leases one request may end besides its own work (see "ends")
 
@@ -361,7 +393,8 @@ SCHEMAS: dict[str, dict[str, Callable[[object], bool]]] = {
                "inline_sent": optional(_is_bool)},  # ... in the answer's own message (FLAG_TRAILING)
     "probe": {**_PRESENCE, "tiers": optional(_is_bool)},  # tiers: also say host or disk per block
     "touch": _PRESENCE,
-    "read": {"lease": _is_id, "keys": _keys, "end": _is_bool, "shm": _is_bool},
+    # a read names its blocks by key, or (a node that announces "read_runs") by their place in the lease's lookup
+    "read": {"lease": _is_id, "keys": optional(_keys), "runs": optional(_runs), "end": _is_bool, "shm": _is_bool},
     "write": {"keys": _keys, "sizes": _sizes, "shm": _is_bool, "sums": optional(_sums)},
     "commit": {"write": _is_id},
     "abort": {"write": _is_id},

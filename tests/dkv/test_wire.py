@@ -12,6 +12,7 @@ from dkv.wire import (
     HEADER,
     MAGIC,
     MAX_FRAME,
+    MAX_KEYS,
     PROTOCOL_VERSION,
     check_request,
     decode_body,
@@ -82,6 +83,35 @@ def test_a_lookup_asking_for_its_bytes_with_a_bad_bound_is_refused(send: object)
     with pytest.raises(ProtocolError, match="send"):
         check_request({"op": "lookup", "hashes": [b"x" * 32], "leaves": ["L"], "shards": 1, "lease": True,
                        "group": 0, "send": send})
+
+
+def test_a_read_names_its_blocks_by_keys_or_by_runs_of_places() -> None:
+    base = {"op": "read", "lease": 1, "end": True, "shm": False}
+    assert check_request({**base, "keys": [["L", 0, b"x" * 8]]}) == "read"
+    assert check_request({**base, "runs": [["L", 0, 0, 256], ["M", 3, 7, 8]]}) == "read"
+    assert check_request({**base, "runs": [["L", 0, 0, MAX_KEYS]]}) == "read"
+    # (neither, or both: the schema lets the node say which it takes; the node refuses them: test_node_read_runs)
+
+
+@pytest.mark.parametrize("runs", [
+    [["L", 0, 5, 5]],  # empty
+    [["L", 0, 6, 5]],  # backwards
+    [["L", 0, -1, 2]],
+    [["L", 0, 0, MAX_KEYS + 1]],
+    [["L", 0, 0, MAX_KEYS], ["L", 0, 0, 1]],  # more blocks in all than one read may name
+    [["L", 64, 0, 1]],  # a shard out of bounds
+    [["", 0, 0, 1]],
+    [["L", 0, 0]],
+    [["L", 0, 0, 1, 2]],
+    [["L", False, 0, 1]],
+    [["L", 0, 0.0, 1]],
+    [("L", 0, 0, 1)],  # (msgpack decodes arrays as lists: a tuple never arrives, and is not taken)
+    ["L", 0, 0, 1],
+    "runs",
+], ids=lambda r: repr(r)[:40])
+def test_a_read_with_malformed_runs_is_refused(runs: object) -> None:
+    with pytest.raises(ProtocolError, match="runs"):
+        check_request({"op": "read", "lease": 1, "runs": runs, "end": True, "shm": False})
 
 
 @pytest.mark.parametrize(

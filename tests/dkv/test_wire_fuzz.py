@@ -65,6 +65,9 @@ hashes = st.one_of(st.binary(min_size=8, max_size=8), st.binary(min_size=32, max
 leaf_ids = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=64)
 ids = st.integers(0, 2**63)
 keys = st.lists(st.tuples(leaf_ids, st.integers(0, 63), hashes).map(list), max_size=8)
+# a read's blocks by place in its lease's lookup: [leaf, shard, first, stop], first < stop
+runs = st.lists(st.tuples(leaf_ids, st.integers(0, 63), st.integers(0, 1000), st.integers(1, 8)).map(
+    lambda r: [r[0], r[1], r[2], r[2] + r[3]]), max_size=8)
 namespaces = st.from_regex(r"\A[A-Za-z0-9][A-Za-z0-9._:/=+-]{0,40}\Z")
 short_text = st.text(min_size=1, max_size=256)
 checksums = st.binary(min_size=16, max_size=16)
@@ -94,7 +97,7 @@ VALID_FIELDS: dict[str, dict[str, Any]] = {
     "lookup": {**_presence(), "lease": st.booleans(), "group": st.integers(0, 1 << 20)},
     "probe": _presence(),
     "touch": _presence(),
-    "read": {"lease": ids, "keys": keys, "end": st.booleans(), "shm": st.booleans()},
+    "read": {"lease": ids, "end": st.booleans(), "shm": st.booleans()},  # and keys or runs (valid_requests)
     "commit": {"write": ids},
     "abort": {"write": ids},
     "release": {"lease": ids},
@@ -113,6 +116,9 @@ def valid_requests(draw: st.DrawFn) -> dict[str, Any]:
         message = draw(writes())
     else:
         message = {"op": op, **{name: draw(value) for name, value in VALID_FIELDS[op].items()}}
+    if op == "read":
+        named = draw(st.sampled_from(["keys", "runs"]))
+        message[named] = draw(keys if named == "keys" else runs)
     if op == "lookup" and draw(st.booleans()):
         message["slots"] = draw(st.booleans())
     if op == "lookup" and draw(st.booleans()):
@@ -143,7 +149,7 @@ def mutated_requests(draw: st.DrawFn) -> dict[str, Any]:
         elif action == "replace" and names:
             message[draw(st.sampled_from(names))] = draw(wire_values)
         else:
-            message[draw(st.text(max_size=10) | st.sampled_from(["op", "ends", "slots", "send", "inline_sent", "sums"]))] = draw(wire_values)
+            message[draw(st.text(max_size=10) | st.sampled_from(["op", "ends", "slots", "send", "inline_sent", "sums", "keys", "runs"]))] = draw(wire_values)
     return message
 
 

@@ -1,0 +1,121 @@
+"""A read named by runs of places in its lease's lookup reads exactly what the same keys read.
+
+Store logic, with the client's own translation of keys into runs
+(``dkv.client._places``): for any lookup (one or two leaves, one or two
+shards, absent hashes, a hash named twice) and any choice of the blocks it
+found, in any order, the read by runs pins and returns the same blocks as
+the read by keys. A place the lease does not hold is refused as an
+uncovered key is, with nothing pinned. The node-level tests are in
+``test_node_read_runs.py``.
+"""
+
+from __future__ import annotations
+
+import tests.hypothesis_profiles  # noqa: F401  (first: loads the fuzz profile)
+
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dkv.arena import Arena
+from dkv.client import _places
+from dkv.errors import LeaseExpired
+from dkv.store import Store, StoreKey
+from tests.dkv.conftest import Clock
+from tests.dkv.test_store import BLOCK, NS, chain, keys, put
+from tests.hypothesis_profiles import examples
+
+POOL_BLOCKS = 64
+
+
+@pytest.fixture
+def big_store() -> Iterator[Store]:
+    arena = Arena(POOL_BLOCKS * BLOCK, label="unit")
+    yield Store(arena, clock=Clock(), lease_ttl=10.0)
+    arena.close()
+
+
+def _depths(hashes: list[bytes]) -> dict[bytes, int]:
+    return dict(zip(hashes, range(len(hashes))))  # as the client keeps them: a hash named twice at its last place
+
+
+def _plan(read) -> list[tuple[int, int, bytes | None]]:
+    return list(zip(read.offsets, read.sizes, read.checksums))
+
+
+@settings(max_examples=examples(150), deadline=None)
+@given(data=st.data(), leaves=st.sampled_from([["L"], ["L", "M"]]), shards=st.sampled_from([1, 2]),
+       count=st.integers(1, 10))
+def test_a_read_by_runs_reads_exactly_what_the_same_keys_read(data: st.DataObject, leaves: list[str], shards: int,
+                                                             count: int) -> None:
+    arena = Arena(POOL_BLOCKS * BLOCK, label="unit")
+    try:
+        store = Store(arena, clock=Clock(), lease_ttl=10.0)
+        hashes = chain(count, b"h")
+        if count > 2 and data.draw(st.booleans(), label="a hash named twice"):
+            hashes[-1] = hashes[0]
+        stored = data.draw(st.lists(st.booleans(), min_size=count, max_size=count), label="stored")
+        for leaf in leaves:
+            for shard in range(shards):
+                put(store, keys([h for h, s in zip(hashes, stored) if s], leaf, shard))
+        masks, lease = store.lookup(NS, hashes, leaves, shards, owner="c")
+        found = [(leaf, shard, h) for leaf in leaves for shard in range(shards)
+                 for h, present in zip(hashes, masks[leaf]) if present]
+        if lease is None:
+            assert not found
+            return
+        wanted = data.draw(st.lists(st.sampled_from(found), min_size=1, max_size=len(found), unique=True),
+                           label="read")
+        if data.draw(st.booleans(), label="in lookup order"):
+            wanted.sort(key=found.index)
+        runs = _places(wanted, _depths(hashes))
+        assert runs is not None  # every key is among the lookup's hashes
+        by_keys = store.begin_read(lease.lease_id, "c", [StoreKey(NS, *k) for k in wanted], reader="r")
+        by_runs = store.begin_read(lease.lease_id, "c", runs=runs, reader="r")
+        assert _plan(by_runs) == _plan(by_keys)
+        assert store.end_read(by_runs.read_id) and store.end_read(by_keys.read_id)
+    finally:
+        arena.close()
+
+
+def test_keys_of_one_leaf_and_shard_at_consecutive_places_are_one_run() -> None:
+    hashes = chain(6, b"c")
+    wanted = [("L", 0, h) for h in hashes[2:5]]
+    assert _places(wanted, _depths(hashes)) == [["L", 0, 2, 5]]
+    assert _places([("L", 0, hashes[4]), ("L", 0, hashes[3])], _depths(hashes)) == [["L", 0, 4, 5], ["L", 0, 3, 4]]
+    assert _places([("L", 0, hashes[0]), ("L", 1, hashes[1])], _depths(hashes)) == [["L", 0, 0, 1], ["L", 1, 1, 2]]
+    assert _places([("L", 0, b"\xff" * 8)], _depths(hashes)) is None  # not looked up: the read names its keys
+    assert _places([], _depths(hashes)) is None
+
+
+@pytest.mark.parametrize("leaves", [["L"], ["L", "M"]], ids=["one leaf (bisection)", "two leaves (map)"])
+@pytest.mark.parametrize("run", [
+    ["L", 0, 2, 5],  # past the lookup's last place
+    ["L", 0, 3, 4],  # a place whose hash was absent
+    ["L", 1, 0, 1],  # a shard the lookup did not ask for
+    ["X", 0, 0, 1],  # a leaf it did not ask for
+    ["L", 0, 1, 1],  # an empty run
+], ids=["past the end", "absent hash", "other shard", "other leaf", "empty"])
+def test_a_run_the_lease_does_not_hold_is_refused_and_pins_nothing(big_store: Store, leaves: list[str],
+                                                                    run: list) -> None:
+    hashes = chain(4, b"r")
+    for leaf in leaves:
+        put(big_store, keys(hashes[:3], leaf))  # the fourth is absent
+    masks, lease = big_store.lookup(NS, hashes, leaves, 1, owner="c")
+    assert lease is not None and masks["L"] == [True, True, True, False]
+    pinned = big_store.pinned_blocks
+    with pytest.raises(LeaseExpired, match="does not hold a block"):
+        big_store.begin_read(lease.lease_id, "c", runs=[["L", 0, 0, 1], run], reader="r")
+    assert big_store.pinned_blocks == pinned and not big_store.reads
+    assert big_store.counters.reads_refused == 1
+
+
+def test_a_read_by_runs_of_another_owners_lease_is_refused(big_store: Store) -> None:
+    hashes = chain(2, b"o")
+    put(big_store, keys(hashes))
+    _, lease = big_store.lookup(NS, hashes, ["L"], 1, owner="c")
+    assert lease is not None
+    with pytest.raises(LeaseExpired, match="not held"):
+        big_store.begin_read(lease.lease_id, "someone else", runs=[["L", 0, 0, 2]], reader="r")
