@@ -318,7 +318,7 @@ class NodeClient:
         self._lock = threading.Lock()
         self._group_leases: dict[int, int] = {}  # group -> its latest lease (bounded)
         # lease -> the hashes its lookup named, until its read: a read then names its blocks by place (bounded)
-        self._lease_hashes: dict[int, Sequence[bytes]] = {}
+        self._lease_hashes: dict[int, tuple[Sequence[bytes], int]] = {}  # (and its shard count)
         self._lease_slots: dict[int, LeaseSlots] = {}  # same-host leases' slot maps, until their load (bounded)
         self._received_bytes = 0  # held in _lease_slots' received blocks (see MAX_RECEIVED_BYTES)
         self._ends: list[int] = []  # leases loaded from on the same-host path, to end with the next request
@@ -856,7 +856,7 @@ class NodeClient:
         lease_id = reply.get("lease")
         if lease_id is not None:
             with self._lock:
-                self._remember_lease_locked(lease_id, message["group"], message["hashes"])
+                self._remember_lease_locked(lease_id, message["group"], (message["hashes"], message["shards"]))
         if mapping is not None and lease_id is not None and "slots" in reply:
             ttl = float(reply.get("ttl") or 0.0)
             slots = LeaseSlots(mapping, message["hashes"], message["shards"], reply["slots"],
@@ -875,16 +875,18 @@ class NodeClient:
             while len(self._lease_slots) > MAX_REMEMBERED_LEASES or self._received_bytes > MAX_RECEIVED_BYTES:
                 self._forget_slots_locked(next(iter(self._lease_slots)))
 
-    def _remember_lease_locked(self, lease_id: int, group: int, hashes: Sequence[bytes] | None = None) -> None:
-        """Under ``_lock``: ``lease_id`` is ``group``'s latest lease; ``hashes``, its lookup's, are kept for its read.
+    def _remember_lease_locked(self, lease_id: int, group: int,
+                               looked_up: tuple[Sequence[bytes], int] | None = None) -> None:
+        """Under ``_lock``: ``lease_id`` is ``group``'s latest lease; ``looked_up`` (its lookup's hashes and shard
+        count) is kept for its read.
 
         Bounded (the oldest are forgotten: a read of such a lease names its keys).
         """
         self._group_leases[group] = lease_id
         while len(self._group_leases) > MAX_REMEMBERED_LEASES:
             self._group_leases.pop(next(iter(self._group_leases)))
-        if hashes is not None:
-            self._lease_hashes[lease_id] = hashes
+        if looked_up is not None:
+            self._lease_hashes[lease_id] = looked_up
             while len(self._lease_hashes) > MAX_REMEMBERED_LEASES:
                 self._lease_hashes.pop(next(iter(self._lease_hashes)))
 
@@ -1280,13 +1282,12 @@ class NodeClient:
                                     base={"op": "read", "lease": lease_id, "keys": [], "end": True, "shm": True})
         # deepest run first: each run is stamped as one use, so the root's run gets the newest stamp
         # and the chain still evicts deepest first (as a split touch does)
-        depth_of = dict(zip(looked_up, range(len(looked_up)))) if looked_up else None  # a hash named twice: its last
         for i, run in enumerate(reversed(runs)):
             last = i == len(runs) - 1
             run_keys = wire_keys[run.start:run.stop]
             try:
                 await self._read_run(lease_id, run_keys, views[run.start:run.stop], end_lease and last,
-                                     _places(run_keys, depth_of) if depth_of is not None else None)
+                                     _places(run_keys, *looked_up) if looked_up is not None else None)
             except ChecksumMismatch:
                 if end_lease and not last:  # the runs left will not be read: end the lease now, not at its TTL
                     with contextlib.suppress(DKVError):
@@ -1642,26 +1643,35 @@ def _fine_leaf(leaf: str) -> bool:
         return False
 
 
-def _places(wire_keys: Sequence[Any], depth_of: dict[bytes, int]) -> list[list[Any]] | None:
+def _places(wire_keys: Sequence[Any], looked_up: Sequence[bytes], shards: int) -> list[list[Any]] | None:
     """``wire_keys`` as runs ``[leaf, shard, first, stop]`` of places in their lease's lookup (see :mod:`dkv.wire`).
 
-    ``depth_of``: each hash the lookup named -> its place (the last, for one
-    named twice: where the node holds it). None when a key's hash is not
-    among them (the read then names its keys). Keys of one leaf and shard at
-    consecutive places (a load's usual shape) are one run, found in C-speed
-    passes; any other shape key by key.
+    ``looked_up``: the hashes the lookup named; ``shards``: its shard count.
+    None when a key's hash is not among them (the read then names its keys).
+    Keys of one leaf and shard whose hashes are a stretch of the lookup's (a
+    load's usual shape) are one run, found in C-speed passes over the lists.
+    A hash the lookup named twice is held by the node at each place where the
+    lookup was of one shard, at its last place otherwise: key by key, each
+    hash then goes to its last place.
     """
-    if not wire_keys:
+    count = len(wire_keys)
+    if not count:
         return None
+    hashes = list(map(operator.itemgetter(2), wire_keys))
+    leaf, shard, first_hash = wire_keys[0]
+    if shards == 1 and list(map(operator.itemgetter(0), wire_keys)).count(leaf) == count and list(
+            map(operator.itemgetter(1), wire_keys)).count(shard) == count:
+        try:
+            first = looked_up.index(first_hash)
+        except ValueError:
+            return None
+        if looked_up[first:first + count] == hashes:
+            return [[leaf, shard, first, first + count]]
+    depth_of = dict(zip(looked_up, range(len(looked_up))))
     try:
-        depths = list(map(depth_of.__getitem__, map(operator.itemgetter(2), wire_keys)))
+        depths = list(map(depth_of.__getitem__, hashes))
     except KeyError:
         return None
-    leaf, shard, _ = wire_keys[0]
-    first = depths[0]
-    if (depths == list(range(first, first + len(depths))) and set(map(operator.itemgetter(0), wire_keys)) == {leaf}
-            and set(map(operator.itemgetter(1), wire_keys)) == {shard}):
-        return [[leaf, shard, first, first + len(depths)]]
     runs: list[list[Any]] = []
     for (leaf, shard, _), depth in zip(wire_keys, depths):
         if runs and runs[-1][0] == leaf and runs[-1][1] == shard and runs[-1][3] == depth:

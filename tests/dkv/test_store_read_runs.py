@@ -37,10 +37,6 @@ def big_store() -> Iterator[Store]:
     arena.close()
 
 
-def _depths(hashes: list[bytes]) -> dict[bytes, int]:
-    return dict(zip(hashes, range(len(hashes))))  # as the client keeps them: a hash named twice at its last place
-
-
 def _plan(read) -> list[tuple[int, int, bytes | None]]:
     return list(zip(read.offsets, read.sizes, read.checksums))
 
@@ -70,7 +66,7 @@ def test_a_read_by_runs_reads_exactly_what_the_same_keys_read(data: st.DataObjec
                            label="read")
         if data.draw(st.booleans(), label="in lookup order"):
             wanted.sort(key=found.index)
-        runs = _places(wanted, _depths(hashes))
+        runs = _places(wanted, hashes, shards)
         assert runs is not None  # every key is among the lookup's hashes
         by_keys = store.begin_read(lease.lease_id, "c", [StoreKey(NS, *k) for k in wanted], reader="r")
         by_runs = store.begin_read(lease.lease_id, "c", runs=runs, reader="r")
@@ -80,14 +76,24 @@ def test_a_read_by_runs_reads_exactly_what_the_same_keys_read(data: st.DataObjec
         arena.close()
 
 
-def test_keys_of_one_leaf_and_shard_at_consecutive_places_are_one_run() -> None:
+@pytest.mark.parametrize("shards", [1, 2])
+def test_keys_of_one_leaf_and_shard_at_consecutive_places_are_one_run(shards: int) -> None:
     hashes = chain(6, b"c")
     wanted = [("L", 0, h) for h in hashes[2:5]]
-    assert _places(wanted, _depths(hashes)) == [["L", 0, 2, 5]]
-    assert _places([("L", 0, hashes[4]), ("L", 0, hashes[3])], _depths(hashes)) == [["L", 0, 4, 5], ["L", 0, 3, 4]]
-    assert _places([("L", 0, hashes[0]), ("L", 1, hashes[1])], _depths(hashes)) == [["L", 0, 0, 1], ["L", 1, 1, 2]]
-    assert _places([("L", 0, b"\xff" * 8)], _depths(hashes)) is None  # not looked up: the read names its keys
-    assert _places([], _depths(hashes)) is None
+    assert _places(wanted, hashes, shards) == [["L", 0, 2, 5]]
+    assert _places([("L", 0, hashes[4]), ("L", 0, hashes[3])], hashes, shards) == [["L", 0, 4, 5], ["L", 0, 3, 4]]
+    assert _places([("L", 0, hashes[0]), ("L", 1, hashes[1])], hashes, shards) == [["L", 0, 0, 1], ["L", 1, 1, 2]]
+    assert _places([("L", 0, b"\xff" * 8)], hashes, shards) is None  # not looked up: the read names its keys
+    assert _places([("L", 0, hashes[0]), ("L", 0, b"\xff" * 8)], hashes, shards) is None
+    assert _places([], hashes, shards) is None
+
+
+def test_a_hash_named_twice_goes_to_a_place_the_node_holds_it_at() -> None:
+    hashes = chain(4, b"d")
+    hashes[3] = hashes[1]
+    wanted = [("L", 0, h) for h in hashes[:3]]
+    assert _places(wanted, hashes, 1) == [["L", 0, 0, 3]]  # one shard: the node holds it at both places
+    assert _places(wanted, hashes, 2) == [["L", 0, 0, 1], ["L", 0, 3, 4], ["L", 0, 2, 3]]  # several: the last
 
 
 @pytest.mark.parametrize("leaves", [["L"], ["L", "M"]], ids=["one leaf (bisection)", "two leaves (map)"])
@@ -119,3 +125,23 @@ def test_a_read_by_runs_of_another_owners_lease_is_refused(big_store: Store) -> 
     assert lease is not None
     with pytest.raises(LeaseExpired, match="not held"):
         big_store.begin_read(lease.lease_id, "someone else", runs=[["L", 0, 0, 2]], reader="r")
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_lease_holds_a_hash_named_twice_where_the_client_reads_it(big_store: Store, shards: int) -> None:
+    hashes = chain(3, b"t")
+    hashes[2] = hashes[0]
+    for shard in range(shards):
+        put(big_store, keys(hashes[:2], shard=shard))
+    _, lease = big_store.lookup(NS, hashes, ["L"], shards, owner="c")
+    assert lease is not None
+    wanted = [("L", 0, hashes[0]), ("L", 0, hashes[1])]
+    runs = _places(wanted, hashes, shards)
+    by_keys = big_store.begin_read(lease.lease_id, "c", [StoreKey(NS, *k) for k in wanted], reader="r")
+    by_runs = big_store.begin_read(lease.lease_id, "c", runs=runs, reader="r")
+    assert _plan(by_runs) == _plan(by_keys)
+    if shards == 1:  # held at both of its places
+        big_store.end_read(big_store.begin_read(lease.lease_id, "c", runs=[["L", 0, 2, 3]], reader="r").read_id)
+    else:  # held once, at its last place
+        with pytest.raises(LeaseExpired):
+            big_store.begin_read(lease.lease_id, "c", runs=[["L", 0, 0, 1]], reader="r")
