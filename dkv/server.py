@@ -863,16 +863,21 @@ class NodeServer:
         """
         if ("keys" in req) == ("runs" in req):
             raise ProtocolError("read: name the blocks by 'keys' or by 'runs', exactly one")
+        uses: list[Use] = []  # the read's stamp, made once its answer (and its payload) is on its way
         if "runs" in req:
-            read = self.store.begin_read(req["lease"], peer.client_owner, runs=req["runs"], reader=peer.conn_owner)
+            read = self.store.begin_read(req["lease"], peer.client_owner, runs=req["runs"], reader=peer.conn_owner,
+                                         uses=uses)
         else:
             read = self.store.begin_read(req["lease"], peer.client_owner, self._keys(peer, req["keys"]),
-                                         reader=peer.conn_owner)
+                                         reader=peer.conn_owner, uses=uses)
         if req["end"]:
             self.store.end_lease(req["lease"])
         sizes, sums = read.sizes, read.checksums  # the client checks what it received against the sums
         if req["shm"]:
-            await self._reply(peer, sizes=sizes, offsets=read.offsets, read=read.read_id, sums=sums)
+            try:
+                await self._reply(peer, sizes=sizes, offsets=read.offsets, read=read.read_id, sums=sums)
+            finally:
+                self.store.stamp_uses(uses)
             self.traffic["out"]["local"] += sum(sizes)
             return  # the client copies from the shared arena, then sends done
         try:
@@ -880,6 +885,7 @@ class NodeServer:
             await self._reply(peer, sizes=sizes, sums=sums, groups=plan_groups(plan))
             await self._send_payloads(peer, plan, offsets, held_sizes)
         finally:
+            self.store.stamp_uses(uses)  # (while its pins hold: its blocks are still indexed)
             self.store.end_read(read.read_id)
 
     @staticmethod

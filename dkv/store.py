@@ -712,12 +712,18 @@ class Store:
     # ---- reads under a lease ----------------------------------------------------------------
 
     def begin_read(self, lease_id: int, lease_owner: str, keys: Sequence[StoreKey] | None = None, *,
-                   runs: Sequence[Sequence[Any]] | None = None, reader: str | None = None) -> ReadPlan:
+                   runs: Sequence[Sequence[Any]] | None = None, reader: str | None = None,
+                   uses: list[Use] | None = None) -> ReadPlan:
         """Start a read of ``keys`` (all covered by ``lease_owner``'s live lease ``lease_id``).
 
         Or, instead of ``keys``, of the blocks ``runs`` name by their place in
         the lease's lookup (:meth:`Lease.at_runs`): the same read, without a
         key to build or look up per block.
+
+        With ``uses`` (a list the caller keeps) the read's stamp is left
+        there for :meth:`stamp_uses`, as :meth:`end_used_lease` leaves a
+        lease's: the server answers first and stamps after. The read's pins
+        keep its blocks indexed meanwhile, and evictable by nothing.
 
         The read takes its own pin on each block (``reader``, the connection
         moving the bytes, owns it; default ``lease_owner``), so ending the lease
@@ -760,7 +766,10 @@ class Store:
         self._owner_reads.setdefault(owner, {})[read.read_id] = None
         self._schedule_expiry(read.expires_at, _READ, read.read_id)
         picked = held if distinct is at else list(map(blocks.__getitem__, at))
-        self._stamp_blocks(held, list(map(depths.__getitem__, distinct)))
+        if uses is None:
+            self._stamp_blocks(held, list(map(depths.__getitem__, distinct)))
+        else:
+            uses.append((held, list(map(depths.__getitem__, distinct))))
         return ReadPlan(read.read_id, [b.offset for b in picked], [b.size for b in picked],
                         [b.checksum for b in picked])
 
@@ -843,7 +852,7 @@ class Store:
         return self.end_lease(lease_id)
 
     def stamp_uses(self, uses: Iterable[Use]) -> None:
-        """Make the stamps :meth:`end_used_lease` left in ``uses``: one use of each, in order.
+        """Make the stamps :meth:`end_used_lease` or :meth:`begin_read` left in ``uses``: one use of each, in order.
 
         A block no longer indexed (evicted, cleared or replaced since its lease
         ended) is skipped: a stamp never brings a block back or touches its

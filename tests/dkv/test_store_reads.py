@@ -213,3 +213,22 @@ def test_a_stamp_left_for_later_skips_blocks_gone_or_replaced_meanwhile(store: S
     assert successor.stamp == stamp  # the old block's use is not its successor's
     assert store._tenants[successor.tenant].heap == heap  # nor an entry in the recency heap for a gone block
     assert list(store.blocks) == loaded[:1]
+
+
+def test_a_reads_stamp_can_be_left_for_after_its_answer_and_then_counts_as_its_use(store: Store) -> None:
+    loaded, other = keys(chain(4, b"s")), keys(chain(4, b"u"))
+    put(store, loaded)
+    put(store, other)  # the pool (8 blocks) is full; the loaded blocks are the older ones
+    _, lease = store.lookup(NS, [k.hash for k in loaded], ["L"], 1, owner="c")
+    assert lease is not None
+    stamps = [store.blocks[k].stamp for k in loaded]
+    uses: list = []
+    read = store.begin_read(lease.lease_id, "c", runs=[["L", 0, 0, 4]], reader="conn:1", uses=uses)
+    store.end_lease(lease.lease_id)
+    assert [store.blocks[k].stamp for k in loaded] == stamps and len(uses) == 1  # the stamp waits
+    assert all(store.blocks[k].pins == 1 for k in loaded)  # the read's pins keep them meanwhile
+    store.stamp_uses(uses)
+    assert store.end_read(read.read_id) is True
+    assert all(store.blocks[k].stamp > store.blocks[o].stamp for k in loaded for o in other)
+    assert put(store, keys(chain(4, b"new")), owner="other").count(WRITE) == 4
+    assert all(k in store.blocks for k in loaded) and not any(o in store.blocks for o in other)
