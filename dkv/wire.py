@@ -30,7 +30,7 @@ Handshake (mutual: each side proves the credential over the other's nonce)::
     node   → client   {"ok": true, "node": id, "epoch": str, "host": host id,
                        "proof": node_proof(...), "limits": {...},
                        "shm": {"socket", "ticket", "access", "control"} | None,
-                       "peer_control": TCP port | None}
+                       "peer_control": TCP port | None, "features": [str, ...]}
 
 ``shm`` is offered only to a client on the node's host: redeeming the
 one-time ``ticket`` on the node's Unix socket (:mod:`dkv.handover`) hands
@@ -44,7 +44,10 @@ UCX (it checks that the node id and epoch there are the same).
 host the client dialled, for a client on another host (or on the listener
 path): it opens its calling-thread channel there (:mod:`dkv.direct_channel`).
 A leased lookup there that asks for its blocks (``send``) gets them right
-after the answer on that stream.
+after the answer on that stream. ``features`` lists what the node serves
+beyond the base protocol (:data:`FEATURES`); a client of a newer build uses
+a feature only where its node lists it, and reads an absent or malformed
+list as none.
 
 Ops after the handshake (each answered by ``{"ok": true, ...}`` or
 ``{"ok": false, "code": str, "msg": str}``): ``lookup``, ``probe``, ``read``,
