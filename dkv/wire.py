@@ -310,26 +310,32 @@ def _leaves(v: object) -> bool:
     return isinstance(v, list) and 0 < len(v) <= MAX_LEAVES and _leaf_list(v)
 
 
-def _keys(v: object) -> bool:
+def _columns(v: object, width: int) -> list[tuple[Any, ...]] | None:
+    """The columns of ``v`` when it is a list of at most MAX_KEYS lists of ``width`` items each ([] for an empty
+    list), else None."""
     if not isinstance(v, list) or len(v) > MAX_KEYS:
-        return False
+        return None
     if not v:
-        return True
-    if not _all_of_type(v, list) or set(map(len, v)) != {3}:
-        return False
-    leaves, shards, hashes = zip(*v)
+        return []
+    if not _all_of_type(v, list) or set(map(len, v)) != {width}:
+        return None
+    return list(zip(*v))
+
+
+def _keys(v: object) -> bool:
+    columns = _columns(v, 3)
+    if not columns:
+        return columns is not None
+    leaves, shards, hashes = columns
     return _leaf_list(leaves) and _ints_within(shards, 0, MAX_TP_SHARDS - 1) and plain_hashes(hashes)
 
 
 def _runs(v: object) -> bool:
     """A read's blocks by place (``[leaf, shard, first, stop]`` each, ``first < stop``), at most MAX_KEYS in all."""
-    if not isinstance(v, list) or len(v) > MAX_KEYS:
-        return False
-    if not v:
-        return True
-    if not _all_of_type(v, list) or set(map(len, v)) != {4}:
-        return False
-    leaves, shards, firsts, stops = zip(*v)
+    columns = _columns(v, 4)
+    if not columns:
+        return columns is not None
+    leaves, shards, firsts, stops = columns
     return (_leaf_list(leaves) and _ints_within(shards, 0, MAX_TP_SHARDS - 1) and _ints_within(firsts, 0, MAX_KEYS - 1)
             and _ints_within(stops, 1, MAX_KEYS) and all(map(operator.lt, firsts, stops))
             and sum(stops) - sum(firsts) <= MAX_KEYS)

@@ -7,6 +7,7 @@ bounds on the store's own book-keeping (expiry and recency structures).
 from __future__ import annotations
 
 from array import array
+from typing import Any
 
 import pytest
 
@@ -181,21 +182,30 @@ def test_a_leased_lookup_maps_the_slots_of_what_it_pins_in_the_same_pass(store: 
     assert store.end_used_lease(lease.lease_id, "c") is True and store.pinned_blocks == 0
 
 
-def test_a_used_leases_stamp_can_be_left_for_later_and_then_counts_as_its_use(store: Store) -> None:
+def _older_loaded_blocks(store: Store) -> tuple[list, list, Any, list]:
+    """A full pool (8 blocks): 4 to load, written first, then 4 others; a lease on the 4; their stamps."""
     loaded, other = keys(chain(4, b"a")), keys(chain(4, b"b"))
     put(store, loaded)
-    put(store, other)  # the pool (8 blocks) is full; the loaded blocks are the older ones
+    put(store, other)
     _, lease = store.lookup(NS, [k.hash for k in loaded], ["L"], 1, owner="c")
     assert lease is not None
-    stamps = [store.blocks[k].stamp for k in loaded]
+    return loaded, other, lease, [store.blocks[k].stamp for k in loaded]
+
+
+def _loaded_now_outlive_the_others(store: Store, loaded: list, other: list) -> None:
+    assert all(store.blocks[k].stamp > store.blocks[o].stamp for k in loaded for o in other)
+    assert put(store, keys(chain(4, b"new")), owner="other").count(WRITE) == 4
+    assert all(k in store.blocks for k in loaded) and not any(o in store.blocks for o in other)
+
+
+def test_a_used_leases_stamp_can_be_left_for_later_and_then_counts_as_its_use(store: Store) -> None:
+    loaded, other, lease, stamps = _older_loaded_blocks(store)
     uses: list = []
     assert store.end_used_lease(lease.lease_id, "c", uses) is True
     assert lease.lease_id not in store.leases and store.pinned_blocks == 0  # ended at once
     assert [store.blocks[k].stamp for k in loaded] == stamps and len(uses) == 1  # the stamp waits
     store.stamp_uses(uses)
-    assert all(store.blocks[k].stamp > store.blocks[o].stamp for k in loaded for o in other)
-    assert put(store, keys(chain(4, b"new")), owner="other").count(WRITE) == 4
-    assert all(k in store.blocks for k in loaded) and not any(o in store.blocks for o in other)
+    _loaded_now_outlive_the_others(store, loaded, other)
 
 
 def test_a_stamp_left_for_later_skips_blocks_gone_or_replaced_meanwhile(store: Store) -> None:
@@ -216,12 +226,7 @@ def test_a_stamp_left_for_later_skips_blocks_gone_or_replaced_meanwhile(store: S
 
 
 def test_a_reads_stamp_can_be_left_for_after_its_answer_and_then_counts_as_its_use(store: Store) -> None:
-    loaded, other = keys(chain(4, b"s")), keys(chain(4, b"u"))
-    put(store, loaded)
-    put(store, other)  # the pool (8 blocks) is full; the loaded blocks are the older ones
-    _, lease = store.lookup(NS, [k.hash for k in loaded], ["L"], 1, owner="c")
-    assert lease is not None
-    stamps = [store.blocks[k].stamp for k in loaded]
+    loaded, other, lease, stamps = _older_loaded_blocks(store)
     uses: list = []
     read = store.begin_read(lease.lease_id, "c", runs=[["L", 0, 0, 4]], reader="conn:1", uses=uses)
     store.end_lease(lease.lease_id)
@@ -229,6 +234,4 @@ def test_a_reads_stamp_can_be_left_for_after_its_answer_and_then_counts_as_its_u
     assert all(store.blocks[k].pins == 1 for k in loaded)  # the read's pins keep them meanwhile
     store.stamp_uses(uses)
     assert store.end_read(read.read_id) is True
-    assert all(store.blocks[k].stamp > store.blocks[o].stamp for k in loaded for o in other)
-    assert put(store, keys(chain(4, b"new")), owner="other").count(WRITE) == 4
-    assert all(k in store.blocks for k in loaded) and not any(o in store.blocks for o in other)
+    _loaded_now_outlive_the_others(store, loaded, other)
