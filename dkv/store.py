@@ -169,9 +169,11 @@ class Lease:
 
         A run ``[leaf, shard, first, stop]`` names the blocks of ``leaf`` and
         ``shard`` whose hashes were at ``first`` .. ``stop - 1`` in the
-        lookup's hash list (a block's depth: a hash named twice is held at its
-        last place). A lease of one leaf and one shard answers by bisection
-        (its depths rise strictly), any other from a map built on first use.
+        lookup's hash list (a block's depth; a hash the lookup named twice is
+        held at each of its places where the lookup was of one shard, at its
+        last otherwise: :mod:`dkv.store_runs`). A lease of one leaf and one
+        shard answers by bisection (its depths rise strictly), any other from a
+        map built on first use.
         """
         out: list[int] = []
         column, depths = self.column, self.depths

@@ -103,8 +103,9 @@ A ``read`` names its blocks (all held by its ``lease``) either by key,
 lists ``"read_runs"`` in its ``"features"``, by their place in the lookup
 that granted the lease: ``"runs": [[leaf, shard, first, stop], ...]``, each
 the blocks of that leaf and shard whose hashes were at ``first`` ..
-``stop - 1`` in the lookup's hash list (a hash named twice is held at its
-last place), in that order. Exactly one of the two. A run of 256 blocks is a
+``stop - 1`` in the lookup's hash list (a hash the lookup named twice is
+held at each of its places where the lookup was of one shard, at its last
+otherwise), in that order. Exactly one of the two. A run of 256 blocks is a
 few bytes where their keys are ~10 KB (over UCX's eager size: a rendezvous
 more), and the node finds their blocks without building or looking up a key
 per block. A place the lease does not hold is refused as an uncovered key
