@@ -17,26 +17,14 @@ from typing import Any
 import pytest
 
 from dkv.client import NodeClient, NodeInfo, _Session
-from dkv.client import handshake as handshake_as_client
 from dkv.errors import LeaseExpired, TransportError
 from dkv.keys import BlockKey
-from dkv.transport import connect
-from dkv.units import parse_address
 from dkv.wire import FEATURE_READ_RUNS
-from tests.conftest import NAMESPACE, OnUcx, on_ucx
-from tests.dkv.test_node_reads import _segment
+from tests.conftest import on_ucx
+from tests.dkv.test_node_reads import _raw_session, _segment
 
 BLOCK = 64 * 1024
 COUNT = 12
-
-
-async def _raw_session(address: str) -> tuple[Any, dict[str, Any]]:
-    async def handshake() -> tuple[Any, dict[str, Any]]:
-        conn = await connect(*parse_address(address))
-        return conn, await handshake_as_client(conn, NAMESPACE, client_id="raw")
-
-    conn, reply = await on_ucx(handshake())
-    return OnUcx(conn), reply
 
 
 async def _stored(writer: Any, leaves: tuple[str, ...] = ("L",)) -> tuple[list[bytes], dict[tuple[str, bytes], bytes]]:
@@ -57,7 +45,7 @@ async def _lookup(conn: Any, hashes: list[bytes], leaves: list[str]) -> int:
 
 async def test_the_node_announces_reads_by_runs(node_factory) -> None:
     node = node_factory()
-    conn, hello = await _raw_session(node.address)
+    conn, hello = await _raw_session(node.address, client="raw")
     assert FEATURE_READ_RUNS in hello["features"]
     await conn.close()
 
@@ -66,7 +54,7 @@ async def test_the_node_announces_reads_by_runs(node_factory) -> None:
 async def test_a_read_by_runs_brings_the_blocks_of_those_places(node_factory, clients, shm: bool) -> None:
     node = node_factory("--pool", "16MiB")
     hashes, data = await _stored(clients(node.address, local=False), ("L", "M"))
-    conn, hello = await _raw_session(node.address)
+    conn, hello = await _raw_session(node.address, client="raw")
     mapping = await on_ucx(_segment(hello)) if shm else None
     lease = await _lookup(conn, hashes, ["L", "M"])
     runs = [["M", 0, 3, 7], ["L", 0, 0, 2], ["L", 0, 10, 12]]  # any order, any leaf
@@ -92,7 +80,7 @@ async def test_a_read_by_runs_brings_the_blocks_of_those_places(node_factory, cl
 @pytest.mark.parametrize("named", [{}, {"keys": [], "runs": []}], ids=["neither", "both"])
 async def test_a_read_that_names_its_blocks_neither_way_or_both_is_a_protocol_error(node_factory, named) -> None:
     node = node_factory()
-    conn, _ = await _raw_session(node.address)
+    conn, _ = await _raw_session(node.address, client="raw")
     await conn.send_message({"op": "read", "lease": 1, **named, "end": True, "shm": False})
     reply = await conn.recv_message(5)
     assert reply["ok"] is False and reply["code"] == "protocol" and "exactly one" in reply["msg"]
@@ -104,7 +92,7 @@ async def test_a_read_that_names_its_blocks_neither_way_or_both_is_a_protocol_er
 async def test_a_run_its_lease_does_not_hold_is_refused_and_the_connection_goes_on(node_factory, clients) -> None:
     node = node_factory("--pool", "16MiB")
     hashes, data = await _stored(clients(node.address, local=False))
-    conn, _ = await _raw_session(node.address)
+    conn, _ = await _raw_session(node.address, client="raw")
     lease = await _lookup(conn, hashes + [os.urandom(32)], ["L"])  # the last place's hash is absent
     for run in (["L", 0, COUNT - 1, COUNT + 1], ["X", 0, 0, 1]):
         await conn.send_message({"op": "read", "lease": lease, "runs": [run], "end": False, "shm": False})
