@@ -145,3 +145,37 @@ def test_a_lease_holds_a_hash_named_twice_where_the_client_reads_it(big_store: S
     else:  # held once, at its last place
         with pytest.raises(LeaseExpired):
             big_store.begin_read(lease.lease_id, "c", runs=[["L", 0, 0, 1]], reader="r")
+
+
+@settings(max_examples=examples(150), deadline=None)
+@given(leaves=st.sampled_from([["L"], ["L", "M"]]), shards=st.sampled_from([1, 2]),
+       runs=st.lists(st.tuples(st.sampled_from(["L", "M", "X"]), st.integers(0, 2), st.integers(0, 12),
+                               st.integers(-2, 12)).map(lambda r: [r[0], r[1], r[2], r[2] + r[3]]),
+                     min_size=1, max_size=6))
+def test_any_runs_read_their_blocks_or_are_refused_with_nothing_pinned(leaves: list[str], shards: int,
+                                                                       runs: list[list]) -> None:
+    """Whatever runs a client names (past the end, backwards, empty, other leaves or shards): the blocks at those
+    places, each pinned once more by the read, or LeaseExpired and no pin changed; never another error."""
+    arena = Arena(POOL_BLOCKS * BLOCK, label="unit")
+    try:
+        store = Store(arena, clock=Clock(), lease_ttl=10.0)
+        hashes = chain(8, b"a")
+        for leaf in leaves:
+            for shard in range(shards):
+                put(store, keys(hashes[:6], leaf, shard))  # the last two places absent
+        _, lease = store.lookup(NS, hashes, leaves, shards, owner="c")
+        assert lease is not None
+        pins = {key: block.pins for key, block in store.blocks.items()}
+        try:
+            read = store.begin_read(lease.lease_id, "c", runs=runs, reader="r")
+        except LeaseExpired:
+            assert {key: block.pins for key, block in store.blocks.items()} == pins
+            return
+        wanted = [StoreKey(NS, leaf, shard, hashes[d]) for leaf, shard, first, stop in runs for d in range(first, stop)]
+        assert all(leaf in leaves and shard < shards and d < 6 for leaf, shard, first, stop in runs
+                   for d in range(first, stop))
+        assert read.offsets == [store.blocks[k].offset for k in wanted]
+        assert all(store.blocks[k].pins == pins[k] + 1 for k in set(wanted))
+        assert store.end_read(read.read_id)
+    finally:
+        arena.close()
