@@ -13,6 +13,11 @@
  * a chunk at a time, so the hash reads the copy while it is in cache. Every bound is checked before
  * anything is copied (ValueError); the GIL is let go for the copies and hashes of the whole batch.
  * ``KERNEL`` names the build in use: "avx2" where the CPU has it, else "generic" (``use_kernel`` switches).
+ * A block of at least ``STREAM_MIN`` bytes (64 KiB) is copied a chunk at a time into a staging buffer of the
+ * copying thread's, hashed there, and streamed out to its destination with non-temporal stores: what is hashed
+ * is what lands (nothing else writes the stage), the destination is written without being read first, and a
+ * large load does not evict the engine's threads' working set from the cache (``set_stream_min`` moves the
+ * size, for tests and benchmarks).
  *
  * CheckedCopy(segment, dests, offsets, prefixes, sums) is the same batch shared by threads: each thread's
  * work() claims a few blocks at a time (an atomic counter, no GIL and no lock between claims), copies them
@@ -46,6 +51,7 @@
 
 typedef void (*kernel_t)(const dkv_block *, size_t, unsigned char *);
 static kernel_t kernel = dkv_copy_hash_generic;
+size_t dkv_stream_min = DKV_STREAM_MIN;
 
 typedef struct {
     Py_buffer dest;
@@ -758,7 +764,24 @@ static PyObject *use_kernel(PyObject *module, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+static PyObject *set_stream_min(PyObject *Py_UNUSED(module), PyObject *arg) {
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "set_stream_min takes a size >= 0");
+        return NULL;
+    }
+    size_t before = dkv_stream_min;
+    dkv_stream_min = (size_t)n;
+    return PyLong_FromSize_t(before);
+}
+
 static PyMethodDef methods[] = {
+    {"set_stream_min", set_stream_min, METH_O,
+     "set_stream_min(n) -> int: from now on stream blocks of at least n bytes to their destinations (see "
+     "STREAM_MIN); returns the size it replaces. For tests and benchmarks."},
     {"use_kernel", use_kernel, METH_O,
      "use_kernel(name): use the 'generic' or the 'avx2' build from now on (tests compare them; KERNEL says which)."},
     {"copy_and_checksum", copy_and_checksum, METH_VARARGS,
@@ -803,7 +826,8 @@ PyMODINIT_FUNC PyInit__checked_copy(void) {
         kernel = dkv_copy_hash_avx2;
         name = "avx2";
     }
-    if (PyModule_AddStringConstant(m, "KERNEL", name) < 0) {
+    if (PyModule_AddStringConstant(m, "KERNEL", name) < 0 ||
+        PyModule_AddIntConstant(m, "STREAM_MIN", DKV_STREAM_MIN) < 0) {
         Py_DECREF(m);
         return NULL;
     }

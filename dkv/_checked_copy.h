@@ -20,4 +20,9 @@ void dkv_copy_hash_generic(const dkv_block *blocks, size_t n, unsigned char *out
 void dkv_copy_hash_avx2(const dkv_block *blocks, size_t n, unsigned char *out);
 int dkv_avx2_built(void); /* 1 when dkv_copy_hash_avx2 really is built for AVX2 */
 
+/* Blocks at least this long are copied through a staging buffer and streamed to their destinations with
+ * non-temporal stores (see the kernel): dkv_stream_min, DKV_STREAM_MIN unless set_stream_min() changed it. */
+#define DKV_STREAM_MIN (64 * 1024)
+extern size_t dkv_stream_min;
+
 #endif

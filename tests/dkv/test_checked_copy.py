@@ -63,6 +63,16 @@ def kernel(request: pytest.FixtureRequest):
     native.use_kernel(chosen)
 
 
+@pytest.fixture(params=["streamed", "cached"])
+def stream(request: pytest.FixtureRequest):
+    """Every block streamed out through the staging buffer, or none: both ways of writing a destination."""
+    import dkv._checked_copy as native
+
+    before = native.set_stream_min(0 if request.param == "streamed" else 1 << 62)
+    yield request.param
+    native.set_stream_min(before)
+
+
 def test_the_avx2_build_is_chosen_where_the_cpu_has_it() -> None:
     import dkv._checked_copy as native
 
@@ -75,7 +85,7 @@ def test_the_avx2_build_is_chosen_where_the_cpu_has_it() -> None:
 @pytest.mark.parametrize("size", [0, 1, 4095, 16 * 1024 + 1, 64 * 1024, (1 << 20) + 7])
 @pytest.mark.parametrize("hash_length", [8, 32])
 def test_each_copy_gets_the_slots_bytes_and_the_checksum_block_checksum_gives(size: int, hash_length: int,
-                                                                             kernel: str) -> None:
+                                                                             kernel: str, stream: str) -> None:
     copy_and_checksum = _copy_and_checksum()
     n = 5
     segment = os.urandom(n * size + 4096)
@@ -86,6 +96,36 @@ def test_each_copy_gets_the_slots_bytes_and_the_checksum_block_checksum_gives(si
                              [block_prefix(leaf, shard, h, size) for leaf, shard, h in keys])
     assert [bytes(d) for d in dests] == [segment[o:o + size] for o in offsets]
     assert sums == b"".join(block_checksum(leaf, shard, h, d) for (leaf, shard, h), d in zip(keys, dests))
+
+
+def test_large_blocks_are_streamed_by_default() -> None:
+    import dkv._checked_copy as native
+
+    before = native.set_stream_min(native.STREAM_MIN)
+    assert before == native.STREAM_MIN == 64 * 1024, "the size a block is streamed from moved without the docs"
+
+
+@pytest.mark.parametrize("size", [1, 15, 16, 17, 63, 64, 65, 16 * 1024 - 1, 16 * 1024 + 17, 3 * 16 * 1024 + 5])
+def test_a_streamed_copy_lands_whole_at_any_alignment_and_length(size: int, kernel: str, stream: str) -> None:
+    """Destinations at every alignment in 16 bytes, lengths around the stores' 16- and 64-byte steps and the
+    stage's 16 KiB: each copy is exactly its slot, its neighbours untouched, its checksum the slot's."""
+    copy_and_checksum = _copy_and_checksum()
+    n = 16
+    segment = os.urandom(n * size)
+    offsets = [i * size for i in range(n)]
+    keys = [("L", 0, os.urandom(32)) for _ in range(n)]
+    pad = 64
+    arena = bytearray(b"\xa5" * (n * (size + 2 * pad) + 64))
+    view = memoryview(arena)
+    starts = [pad + i * (size + 2 * pad) + i % 16 for i in range(n)]  # misaligned by 0..15 bytes
+    sums = copy_and_checksum(memoryview(segment), [view[a:a + size] for a in starts], offsets,
+                             [block_prefix(leaf, shard, h, size) for leaf, shard, h in keys])
+    for i, a in enumerate(starts):
+        assert arena[a:a + size] == segment[offsets[i]:offsets[i] + size], f"block {i} landed wrong"
+        assert arena[a - pad:a] == b"\xa5" * pad and arena[a + size:a + size + pad] == b"\xa5" * pad, (
+            f"block {i} wrote outside its destination")
+    assert sums == b"".join(block_checksum(leaf, shard, h, segment[o:o + size]) for (leaf, shard, h), o
+                            in zip(keys, offsets))
 
 
 def test_a_block_outside_the_segment_is_refused_before_anything_is_copied() -> None:
