@@ -112,8 +112,8 @@ class HeldBlocks:
         """
         n = len(hashes)
         young, old = self._young.get(leaf), self._old.get(leaf)
-        if not young and not old:
-            return list(range(n))
+        if (not young or young.keys().isdisjoint(hashes)) and (not old or old.keys().isdisjoint(hashes)):
+            return list(range(n))  # the usual offload: new blocks, none known (C-speed probes, no list made)
         learned = list(map(young.get, hashes)) if young else [None] * n
         misses = learned.count(None)
         if old and misses:

@@ -84,3 +84,24 @@ def test_learning_a_hot_prefix_again_and_again_does_not_push_out_what_else_was_l
     for _ in range(1000):  # every lookup of the hot prefix teaches it again
         held.learn("full", held=hot)
     assert held.lacking("full", offloaded) == [] and held.lacking("full", hot) == []
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_mix_of_old_young_and_new_pairs_reports_exactly_the_new_ones(seed: int) -> None:
+    """Whatever the order, pairs known in either generation are held and only the others lack (the usual
+    offload, nothing known, takes a shortcut: it must not hide a pair one generation knows)."""
+    import random
+
+    rng = random.Random(seed)
+    held = HeldBlocks(capacity=16, clock=Clock())
+    old = hashes(5, salt=1)
+    held.learn("full", held=old)
+    held.learn("full", held=hashes(4, salt=2))  # the young generation ages: `old` is now the old one
+    young = hashes(3, salt=3)
+    held.learn("full", held=young)
+    new = hashes(6, salt=4)
+    for picks in ([new], [new, old[:1]], [new, young[-1:]], [old, young], [new, old, young]):
+        mixed = [h for group in picks for h in group]
+        rng.shuffle(mixed)
+        assert held.lacking("full", mixed) == [i for i, h in enumerate(mixed) if h in new]
+        assert held.lacking("swa", mixed) == list(range(len(mixed)))  # another leaf knows none of them
