@@ -40,6 +40,7 @@
 #include <errno.h>
 #include <pthread.h>
 #include <sched.h>
+#include <semaphore.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -191,6 +192,14 @@ static PyObject *copy_and_checksum(PyObject *Py_UNUSED(self), PyObject *args) {
 #define GRAIN_BYTES (256 * 1024) /* blocks claimed at a time: few claims, and the threads end close together */
 #define MAX_GRAIN 64
 
+#define MAX_POOL_THREADS 8
+
+/* One share of a posted copy: a work() on a pool thread. Held in the copy itself (see post()). */
+typedef struct share {
+    struct CheckedCopyObject *copy;
+    struct share *next;
+} share_t;
+
 typedef struct CheckedCopyObject {
     PyObject_HEAD
     batch_t batch;
@@ -204,7 +213,8 @@ typedef struct CheckedCopyObject {
     atomic_int failed;       /* a share answered False */
     atomic_int state;        /* NOT_POSTED, POSTED, or ENDED once every share has ended */
     pid_t posted_pid;
-    struct CheckedCopyObject *next_ended; /* the pool's list of ended copies not yet taken (under pool.mu) */
+    struct CheckedCopyObject *next_ended; /* the pool's list of ended copies not yet taken (under pool.ended_mu) */
+    share_t shares[MAX_POOL_THREADS];     /* its shares, queued by post(): no allocation on either side */
 } CheckedCopyObject;
 
 enum { NOT_POSTED = 0, POSTED = 1, ENDED = 2 };
@@ -299,30 +309,37 @@ static int claim_and_check(CheckedCopyObject *self, kernel_t run) {
 
 /* ---- the pool: native threads that run posted shares without ever taking the GIL ---------------------------
  *
- * post(shares) queues a copy's shares; a pool thread pops one, runs claim_and_check and, ending the copy's
+ * post(shares) queues a copy's shares; a pool thread takes one, runs claim_and_check and, ending the copy's
  * last share, marks it ENDED and puts it on the ended list (what wait_ended() hands to Python). A pool
  * thread touches no Python object and no reference count: a posted copy stays alive until it has ENDED
  * and is off the ended list, which its dealloc waits for (it stops the copy first, so that takes at most
  * one claim). The threads are made on first use, detached, with every signal blocked; in a forked child
- * the pool starts empty (its queued shares are dropped, ended as failed) and is made again when used. */
-
-#define MAX_POOL_THREADS 8
-
-typedef struct share {
-    CheckedCopyObject *copy;
-    struct share *next;
-} share_t;
+ * the pool starts empty (its queued shares are dropped, ended as failed) and is made again when used.
+ *
+ * Posting takes no lock a pool thread holds. The poster is the engine's scheduler thread; the pool threads
+ * run as batch work and are preempted whenever anything else wakes, so a lock they share with the poster is
+ * sometimes held by a preempted thread. Traced on the 2-core machine (perf sched, the bench's scheduler
+ * section): the slowest load() calls slept 0.5-1.9 ms in post() on the pool's one mutex until the copy
+ * thread holding it ran again. So a post pushes its shares onto ``incoming`` with one compare-and-swap and
+ * gives the pool one wake-up token (``wake``, a semaphore); the threads take shares under their own mutex
+ * (``mu``: taking from the queue, making threads, forking), and ended copies are listed under another
+ * (``ended_mu``). A thread that takes a share and sees more queued passes a token on, so each push is
+ * covered by a token until its shares are taken, and the poster wakes one thread, not one per share. */
 
 static struct {
-    pthread_mutex_t mu;
-    pthread_cond_t queued; /* a share was queued */
-    pthread_cond_t ended;  /* a copy ended */
-    share_t *head, *tail;
+    _Atomic(share_t *) incoming; /* posted shares not yet queued, newest first: pushed without a lock */
+    sem_t wake;                  /* wake-up tokens: at least one while shares wait (see above) */
+    pthread_mutex_t mu;          /* head/tail, making threads, forking */
+    share_t *head, *tail;        /* the queue, oldest first (under mu) */
+    pthread_mutex_t ended_mu;
+    pthread_cond_t ended;        /* a copy ended (under ended_mu) */
     CheckedCopyObject *ended_list;
-    int threads;           /* started in this process */
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, NULL, NULL, 0};
+    atomic_int threads;          /* started in this process */
+    int ready;                   /* wake is initialised (module init) */
+} pool = {NULL, {{0}}, PTHREAD_MUTEX_INITIALIZER, NULL, NULL, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
+          NULL, 0, 0};
 
-/* Under pool.mu: one share of ``copy`` ended (``ok``: it verified everything it claimed). */
+/* Under pool.ended_mu: one share of ``copy`` ended (``ok``: it verified everything it claimed). */
 static void share_ended_locked(CheckedCopyObject *copy, int ok) {
     if (!ok) {
         atomic_store(&copy->failed, 1);
@@ -335,6 +352,28 @@ static void share_ended_locked(CheckedCopyObject *copy, int ok) {
     }
 }
 
+/* Under pool.mu: move what was posted since onto the queue, oldest first. */
+static void pool_take_incoming_locked(void) {
+    share_t *newest = atomic_exchange(&pool.incoming, NULL);
+    share_t *oldest = NULL;
+    while (newest) { /* reversed: the queue runs oldest first */
+        share_t *next = newest->next;
+        newest->next = oldest;
+        oldest = newest;
+        newest = next;
+    }
+    if (!oldest) {
+        return;
+    }
+    if (pool.tail) {
+        pool.tail->next = oldest;
+    } else {
+        pool.head = oldest;
+    }
+    for (pool.tail = oldest; pool.tail->next; pool.tail = pool.tail->next) {
+    }
+}
+
 static void *pool_thread(void *Py_UNUSED(arg)) {
     /* SCHED_BATCH: a copy thread woken by post() takes an idle core, or waits for the running thread's turn to
      * end; it never preempts the thread that posted (the engine's scheduler thread). Its share of the CPU is
@@ -343,58 +382,65 @@ static void *pool_thread(void *Py_UNUSED(arg)) {
     struct sched_param batch = {0};
     (void)sched_setscheduler(0, SCHED_BATCH, &batch);
     for (;;) {
+        while (sem_wait(&pool.wake) != 0) { /* EINTR: every signal is blocked here, but wait again regardless */
+        }
         pthread_mutex_lock(&pool.mu);
-        while (!pool.head) {
-            pthread_cond_wait(&pool.queued, &pool.mu);
-        }
+        pool_take_incoming_locked();
         share_t *share = pool.head;
-        pool.head = share->next;
-        int more = pool.head != NULL;
-        if (!more) {
-            pool.tail = NULL;
+        if (share) {
+            pool.head = share->next;
+            if (!pool.head) {
+                pool.tail = NULL;
+            }
         }
+        int more = pool.head != NULL;
         pthread_mutex_unlock(&pool.mu);
         if (more) {
-            pthread_cond_signal(&pool.queued); /* the next thread is woken here, not by the posting thread */
+            sem_post(&pool.wake); /* the next thread is woken here, not by the posting thread */
         }
-        CheckedCopyObject *copy = share->copy;
-        free(share);
+        if (!share) {
+            continue; /* a token whose shares another thread took with its own */
+        }
+        CheckedCopyObject *copy = share->copy; /* the share lives in the copy: nothing to free */
         int ok = claim_and_check(copy, copy->run);
-        pthread_mutex_lock(&pool.mu);
+        pthread_mutex_lock(&pool.ended_mu);
         share_ended_locked(copy, ok);
-        pthread_mutex_unlock(&pool.mu); /* nothing of the copy is touched after this */
+        pthread_mutex_unlock(&pool.ended_mu); /* nothing of the copy is touched after this */
     }
     return NULL;
 }
 
-/* Around a fork: the forking thread holds pool.mu, so the child's copy of the queue is whole. */
+/* Around a fork: the forking thread holds both locks, so the child's copy of the queue and the list is whole. */
 static void pool_before_fork(void) {
     pthread_mutex_lock(&pool.mu);
+    pthread_mutex_lock(&pool.ended_mu);
 }
 
 static void pool_after_fork_in_parent(void) {
+    pthread_mutex_unlock(&pool.ended_mu);
     pthread_mutex_unlock(&pool.mu);
 }
 
 static void pool_after_fork_in_child(void) {
     pthread_mutex_init(&pool.mu, NULL);
-    pthread_cond_init(&pool.queued, NULL);
+    pthread_mutex_init(&pool.ended_mu, NULL);
     pthread_cond_init(&pool.ended, NULL);
-    pool.threads = 0; /* the parent's are not here */
+    sem_init(&pool.wake, 0, 0);
+    atomic_store(&pool.threads, 0); /* the parent's are not here */
+    pool_take_incoming_locked();    /* no other thread here: nothing else pushes or takes */
     share_t *share = pool.head;
     pool.head = pool.tail = NULL;
     while (share) { /* queued, never to run here: ended as failed */
         share_t *next = share->next;
         atomic_store(&share->copy->stopped, 1);
         share_ended_locked(share->copy, 0);
-        free(share);
         share = next;
     }
 }
 
 /* Under pool.mu: at least ``wanted`` threads (as many as could be made); -1 when there are none. */
 static int pool_grow_locked(int wanted) {
-    if (pool.threads >= wanted) {
+    if (atomic_load(&pool.threads) >= wanted) {
         return 0;
     }
     static int at_fork = 0;
@@ -410,16 +456,16 @@ static int pool_grow_locked(int wanted) {
     pthread_attr_t attr;
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    while (pool.threads < wanted) {
+    while (atomic_load(&pool.threads) < wanted) {
         pthread_t thread;
         if (pthread_create(&thread, &attr, pool_thread, NULL) != 0) {
             break;
         }
-        pool.threads++;
+        atomic_fetch_add(&pool.threads, 1);
     }
     pthread_attr_destroy(&attr);
     pthread_sigmask(SIG_SETMASK, &before, NULL);
-    return pool.threads ? 0 : -1;
+    return atomic_load(&pool.threads) ? 0 : -1;
 }
 
 static PyObject *CheckedCopy_post(CheckedCopyObject *self, PyObject *arg) {
@@ -439,48 +485,29 @@ static PyObject *CheckedCopy_post(CheckedCopyObject *self, PyObject *arg) {
         PyErr_SetString(PyExc_RuntimeError, "a CheckedCopy is posted once");
         return NULL;
     }
-    share_t *first = NULL, *last = NULL;
-    for (long i = 0; i < shares; i++) {
-        share_t *share = malloc(sizeof(share_t));
-        if (!share) {
-            while (first) {
-                share_t *next = first->next;
-                free(first);
-                first = next;
-            }
-            return PyErr_NoMemory();
-        }
-        *share = (share_t){.copy = self, .next = NULL};
-        if (last) {
-            last->next = share;
-        } else {
-            first = share;
-        }
-        last = share;
-    }
-    pthread_mutex_lock(&pool.mu);
-    if (pool_grow_locked((int)shares) < 0) {
+    if (atomic_load(&pool.threads) < shares) { /* first use (or a forked child's): the only time post() locks */
+        pthread_mutex_lock(&pool.mu);
+        int grown = pool_grow_locked((int)shares);
         pthread_mutex_unlock(&pool.mu);
-        while (first) {
-            share_t *next = first->next;
-            free(first);
-            first = next;
+        if (grown < 0) {
+            PyErr_SetString(PyExc_RuntimeError, "no native copy thread could be started");
+            return NULL;
         }
-        PyErr_SetString(PyExc_RuntimeError, "no native copy thread could be started");
-        return NULL;
     }
     self->run = kernel;
     self->posted_pid = getpid();
     atomic_store(&self->pending, (int)shares);
     atomic_store(&self->state, POSTED);
-    if (pool.tail) {
-        pool.tail->next = first;
-    } else {
-        pool.head = first;
+    /* The shares, chained newest first (share 0 oldest), pushed in one compare-and-swap. */
+    for (long i = 0; i < shares; i++) {
+        self->shares[i] = (share_t){.copy = self, .next = i ? &self->shares[i - 1] : NULL};
     }
-    pool.tail = last;
-    pthread_mutex_unlock(&pool.mu);
-    pthread_cond_signal(&pool.queued); /* one wake-up on the posting thread: each thread woken wakes the next */
+    share_t *oldest = &self->shares[0], *newest = &self->shares[shares - 1];
+    share_t *head = atomic_load(&pool.incoming);
+    do {
+        oldest->next = head; /* after what was posted before */
+    } while (!atomic_compare_exchange_weak(&pool.incoming, &head, newest));
+    sem_post(&pool.wake); /* one token: the thread that takes a share passes one on while more are queued */
     Py_RETURN_NONE;
 }
 
@@ -499,7 +526,7 @@ static PyObject *wait_ended(PyObject *Py_UNUSED(module), PyObject *arg) {
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&pool.mu);
+    pthread_mutex_lock(&pool.ended_mu);
     if (!pool.ended_list && timeout > 0) {
         struct timespec until;
         clock_gettime(CLOCK_REALTIME, &until);
@@ -508,22 +535,22 @@ static PyObject *wait_ended(PyObject *Py_UNUSED(module), PyObject *arg) {
         until.tv_sec += whole + nanos / 1000000000L;
         until.tv_nsec = nanos % 1000000000L;
         while (!pool.ended_list) {
-            if (pthread_cond_timedwait(&pool.ended, &pool.mu, &until) == ETIMEDOUT) {
+            if (pthread_cond_timedwait(&pool.ended, &pool.ended_mu, &until) == ETIMEDOUT) {
                 break;
             }
         }
     }
-    pthread_mutex_unlock(&pool.mu);
+    pthread_mutex_unlock(&pool.ended_mu);
     Py_END_ALLOW_THREADS
     PyObject *ended = PyList_New(0);
     if (!ended) {
         return NULL;
     }
     /* taken with the GIL held: a copy on the list cannot be freed meanwhile (its dealloc takes it off first) */
-    pthread_mutex_lock(&pool.mu);
+    pthread_mutex_lock(&pool.ended_mu);
     CheckedCopyObject *copy = pool.ended_list;
     pool.ended_list = NULL;
-    pthread_mutex_unlock(&pool.mu);
+    pthread_mutex_unlock(&pool.ended_mu);
     int failed = 0;
     while (copy) {
         CheckedCopyObject *next = copy->next_ended;
@@ -550,14 +577,14 @@ static void pool_forget(CheckedCopyObject *self) {
         struct timespec pause = {0, 20000};
         nanosleep(&pause, NULL);
     }
-    pthread_mutex_lock(&pool.mu);
+    pthread_mutex_lock(&pool.ended_mu);
     for (CheckedCopyObject **at = &pool.ended_list; *at; at = &(*at)->next_ended) {
         if (*at == self) {
             *at = self->next_ended;
             break;
         }
     }
-    pthread_mutex_unlock(&pool.mu);
+    pthread_mutex_unlock(&pool.ended_mu);
 }
 
 static PyObject *CheckedCopy_work(CheckedCopyObject *self, PyObject *args, PyObject *kwds) {
@@ -810,6 +837,13 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__checked_copy(void) {
     if (PyType_Ready(&CheckedCopyType) < 0) {
         return NULL;
+    }
+    if (!pool.ready) {
+        if (sem_init(&pool.wake, 0, 0) != 0) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            return NULL;
+        }
+        pool.ready = 1;
     }
     PyObject *m = PyModule_Create(&module);
     if (!m) {

@@ -328,6 +328,35 @@ def test_a_copy_posted_to_the_native_threads_gets_every_block_once(shares: int) 
         copy.post(1)
 
 
+def test_copies_posted_from_many_threads_at_once_each_end_once_with_every_block() -> None:
+    """Posting pushes onto the pool's queue without a lock: many posters at once, shares 1 to 4 each, lose,
+    duplicate and reorder nothing (every copy ends True, every row is its slot)."""
+    b = _rows_batch(12, 4 * 1024)
+    posters, per_poster = 4, 40
+    copies: list[list[Any]] = [[] for _ in range(posters)]
+    start = threading.Barrier(posters)
+
+    def poster(k: int) -> None:
+        start.wait(timeout=30)
+        for i in range(per_poster):
+            copy = _rows_copy({**b, "rows": bytearray(len(b["rows"]))})
+            copy.post(1 + (k + i) % 4)
+            copies[k].append(copy)
+
+    threads = [threading.Thread(target=poster, args=(k,)) for k in range(posters)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    every = [c for per in copies for c in per]
+    assert len(every) == posters * per_poster
+    deadline = time.monotonic() + 30
+    while any(c.result() is None for c in every) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert [c.result() for c in every] == [True] * len(every)
+
+
 def test_a_posted_copy_that_fails_its_checksums_or_is_stopped_ends_false() -> None:
     b = _rows_batch(40, 16 * 1024)
     bad = bytearray(b["sums"])
