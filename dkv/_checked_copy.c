@@ -52,7 +52,7 @@
 
 typedef void (*kernel_t)(const dkv_block *, size_t, unsigned char *);
 static kernel_t kernel = dkv_copy_hash_generic;
-size_t dkv_stream_min = DKV_STREAM_MIN;
+atomic_size_t dkv_stream_min = DKV_STREAM_MIN;
 
 typedef struct {
     Py_buffer dest;
@@ -800,9 +800,7 @@ static PyObject *set_stream_min(PyObject *Py_UNUSED(module), PyObject *arg) {
         PyErr_SetString(PyExc_ValueError, "set_stream_min takes a size >= 0");
         return NULL;
     }
-    size_t before = dkv_stream_min;
-    dkv_stream_min = (size_t)n;
-    return PyLong_FromSize_t(before);
+    return PyLong_FromSize_t(atomic_exchange(&dkv_stream_min, (size_t)n));
 }
 
 static PyMethodDef methods[] = {

@@ -2,6 +2,7 @@
 #ifndef DKV_CHECKED_COPY_H
 #define DKV_CHECKED_COPY_H
 
+#include <stdatomic.h>
 #include <stddef.h>
 
 typedef struct {
@@ -23,6 +24,6 @@ int dkv_avx2_built(void); /* 1 when dkv_copy_hash_avx2 really is built for AVX2 
 /* Blocks at least this long are copied through a staging buffer and streamed to their destinations with
  * non-temporal stores (see the kernel): dkv_stream_min, DKV_STREAM_MIN unless set_stream_min() changed it. */
 #define DKV_STREAM_MIN (64 * 1024)
-extern size_t dkv_stream_min;
+extern atomic_size_t dkv_stream_min; /* read per block by copying threads, set by set_stream_min() */
 
 #endif

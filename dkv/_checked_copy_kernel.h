@@ -52,7 +52,7 @@ void DKV_KERNEL(const dkv_block *blocks, size_t n, unsigned char *out) {
         XXH3_128bits_reset(&state);
         XXH3_128bits_update(&state, b->prefix, b->prefix_len);
 #if DKV_CAN_STREAM
-        if (b->len >= dkv_stream_min) {
+        if (b->len >= atomic_load_explicit(&dkv_stream_min, memory_order_relaxed)) {
             /* Copied into a staging buffer of this thread's, hashed there, and streamed out from it: what is
              * hashed is what lands (nothing else writes the stage), and the destination is written once,
              * around the cache. */
