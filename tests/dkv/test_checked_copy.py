@@ -396,7 +396,9 @@ def test_each_ended_copy_is_handed_out_once_and_one_freed_while_copying_is_waite
     assert bytes(rows) == after
 
 
-def test_the_native_copy_threads_run_as_batch_work_so_a_wake_up_never_preempts_the_poster() -> None:
+def test_the_native_copy_threads_run_as_niced_batch_work_so_they_never_preempt_the_poster() -> None:
+    import dkv._checked_copy as checked_copy
+
     b = _rows_batch(64, 16 * 1024)
     for _ in range(3):  # each post wakes at least one thread; two shares start the pool's first two
         copy = _rows_copy({**b, "rows": bytearray(len(b["rows"]))})
@@ -404,14 +406,19 @@ def test_the_native_copy_threads_run_as_batch_work_so_a_wake_up_never_preempts_t
         assert _ended_within(copy) is True
     python_threads = {t.native_id for t in threading.enumerate()}
     native = [int(tid) for tid in os.listdir("/proc/self/task") if int(tid) not in python_threads]
-    policies = {}
+    threads = {}
     for tid in native:
-        with open(f"/proc/self/task/{tid}/comm") as f:
-            name = f.read().strip()
         try:
-            policies[tid] = (name, os.sched_getscheduler(tid))
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            threads[tid] = (name, os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid))
         except OSError:  # it ended meanwhile (a thread of another library)
             continue
-    batch = [tid for tid, (_, policy) in policies.items() if policy == os.SCHED_BATCH]
-    assert len(batch) >= 2, f"no two threads run under SCHED_BATCH: {policies}"
+    copiers = [tid for tid, (name, _, _) in threads.items() if name == "dkv-native-copy"]
+    assert len(copiers) >= 2, f"no two native copy threads: {threads}"
+    for tid in copiers:
+        _, policy, nice = threads[tid]
+        assert policy == os.SCHED_BATCH, threads
+        assert nice == checked_copy.THREAD_NICE == 10, threads
     assert os.sched_getscheduler(0) == os.SCHED_OTHER, "the posting thread's own policy is left as it was"
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == 0, "and its nice value"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import threading
 import warnings
 from collections.abc import Iterator
@@ -120,3 +121,13 @@ def test_a_caller_that_polls_sees_an_answer_that_comes_after_its_poll_and_one_th
     assert loop_thread.run(after(0.001), BOUND, spin=0.5) == "answered"  # answered while it polled
     with pytest.raises(TimeoutError, match="within 0.05s"):
         loop_thread.run(after(3600), 0.05, spin=0.01)  # the poll counts against the bound
+
+
+def test_the_loop_thread_runs_as_batch_work_and_leaves_its_caller_as_it_was(loop_thread: LoopThread) -> None:
+    """An offload's wake-up of the loop thread must never preempt the scheduler thread that posted it."""
+
+    async def policy() -> int:
+        return os.sched_getscheduler(0)
+
+    assert loop_thread.run(policy(), BOUND) == os.SCHED_BATCH
+    assert os.sched_getscheduler(threading.get_native_id()) == os.SCHED_OTHER
