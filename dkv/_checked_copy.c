@@ -34,8 +34,8 @@
  * CheckedCopy.post(shares) hands a copy to this module's native threads (see "the pool" below), which run
  * its shares and never take the GIL; result() reads whether it has ended, and wait_ended(timeout) hands
  * each ended copy to Python once (dkv.copy_threads.PostedCopy's watcher). The threads, named
- * "dkv-native-copy", run as batch work at nice ``THREAD_NICE`` (10): on a contended core the engine's threads
- * go first.
+ * "dkv-native-copy", run as batch work at nice ``THREAD_NICE`` (10), or the nice they started with if higher:
+ * on a contended core the engine's threads go first.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -197,7 +197,7 @@ static PyObject *copy_and_checksum(PyObject *Py_UNUSED(self), PyObject *args) {
 #define MAX_GRAIN 64
 
 #define MAX_POOL_THREADS 8
-#define THREAD_NICE 10 /* the native copy threads' nice value (see pool_thread) */
+#define THREAD_NICE 10 /* the native copy threads' nice value at least (see pool_thread) */
 
 /* One share of a posted copy: a work() on a pool thread. Held in the copy itself (see post()). */
 typedef struct share {
@@ -389,7 +389,12 @@ static void *pool_thread(void *Py_UNUSED(arg)) {
      * speed (the weight only matters between runnable threads on one core). */
     struct sched_param batch = {0};
     (void)sched_setscheduler(0, SCHED_BATCH, &batch);
-    (void)setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), THREAD_NICE); /* this thread only, on Linux */
+    id_t self = (id_t)syscall(SYS_gettid);
+    errno = 0;
+    int current = getpriority(PRIO_PROCESS, self); /* this thread's own, on Linux (-1 is a valid value) */
+    if (errno == 0 && current < THREAD_NICE) {     /* never below what the process already runs at */
+        (void)setpriority(PRIO_PROCESS, self, THREAD_NICE);
+    }
     (void)pthread_setname_np(pthread_self(), "dkv-native-copy");
     for (;;) {
         while (sem_wait(&pool.wake) != 0) { /* EINTR: every signal is blocked here, but wait again regardless */

@@ -32,7 +32,7 @@ T = TypeVar("T")
 
 
 def run_as_batch_work() -> bool:
-    """Linux: the calling thread runs under ``SCHED_BATCH`` from now on; False where that cannot be set.
+    """Linux: the calling thread runs under ``SCHED_BATCH`` from now on; False where it was not normal work or cannot be.
 
     The loop thread is woken for every hand-off a connector makes (an
     offload's posting, a listener load's messages). As normal work, its
@@ -40,10 +40,14 @@ def run_as_batch_work() -> bool:
     scheduler thread that just woke it, and then blocks on the GIL that
     thread holds. As batch work it takes an idle core, or waits for the
     running thread's turn to end; its share of the CPU is unchanged. See the
-    README's nineteenth round for what it changed on two busy cores.
+    README's nineteenth round for what it changed on two busy cores. A
+    thread that does not run as normal work (a process started under a
+    real-time or idle policy) is left as it is.
     """
     try:
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))  # 0: this thread, on Linux
+        if os.sched_getscheduler(0) != os.SCHED_OTHER:  # 0: this thread, on Linux
+            return False
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
     except (AttributeError, OSError):
         return False
     return True

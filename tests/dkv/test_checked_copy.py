@@ -399,6 +399,8 @@ def test_each_ended_copy_is_handed_out_once_and_one_freed_while_copying_is_waite
 def test_the_native_copy_threads_run_as_niced_batch_work_so_they_never_preempt_the_poster() -> None:
     import dkv._checked_copy as checked_copy
 
+    poster = threading.get_native_id()
+    poster_nice = os.getpriority(os.PRIO_PROCESS, poster)
     b = _rows_batch(64, 16 * 1024)
     for _ in range(3):  # each post wakes at least one thread; two shares start the pool's first two
         copy = _rows_copy({**b, "rows": bytearray(len(b["rows"]))})
@@ -419,6 +421,7 @@ def test_the_native_copy_threads_run_as_niced_batch_work_so_they_never_preempt_t
     for tid in copiers:
         _, policy, nice = threads[tid]
         assert policy == os.SCHED_BATCH, threads
-        assert nice == checked_copy.THREAD_NICE == 10, threads
+        assert nice == max(checked_copy.THREAD_NICE, poster_nice), threads  # (never below the process's own)
+    assert checked_copy.THREAD_NICE == 10
     assert os.sched_getscheduler(0) == os.SCHED_OTHER, "the posting thread's own policy is left as it was"
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == 0, "and its nice value"
+    assert os.getpriority(os.PRIO_PROCESS, poster) == poster_nice, "and its nice value"

@@ -131,3 +131,19 @@ def test_the_loop_thread_runs_as_batch_work_and_leaves_its_caller_as_it_was(loop
 
     assert loop_thread.run(policy(), BOUND) == os.SCHED_BATCH
     assert os.sched_getscheduler(threading.get_native_id()) == os.SCHED_OTHER
+
+
+def test_a_thread_that_is_not_normal_work_is_left_as_it_is() -> None:
+    """A process started under an idle (or real-time) policy: the loop thread keeps it, not batch work."""
+    from dkv.loop_thread import run_as_batch_work
+
+    seen: list[Any] = []
+
+    def idle_thread() -> None:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        seen.extend([run_as_batch_work(), os.sched_getscheduler(0)])
+
+    thread = threading.Thread(target=idle_thread)
+    thread.start()
+    thread.join(BOUND)
+    assert seen == [False, os.SCHED_IDLE]
