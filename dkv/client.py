@@ -44,7 +44,7 @@ import numpy as np
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
 from dkv.arena import SegmentMapping, align_up
-from dkv.checksum import CHECKSUM_SIZE, block_checksum, is_checksum
+from dkv.checksum import CHECKSUM_SIZE, block_checksum, block_prefixes, is_checksum, verify_prefixed
 from dkv.checksum import verify as checksum_matches
 from dkv.copy_threads import ChunkedCopy, PostedCopy
 from dkv.credentials import read_local_credential
@@ -1353,12 +1353,13 @@ class NodeClient:
                 landed = None
                 if self.checksums:
                     sums = _sums_for(reply.get("sums"), len(views))
+                    prefixes = block_prefixes(wire_keys, [view.nbytes for view in views])  # one pass, not per block
 
                     def landed(start: int, stop: int) -> None:  # check these while the rest arrives
                         hashed = 0
                         for i in range(start, stop):
-                            key, view = wire_keys[i], views[i]
-                            known[i] = checksum_matches(key[0], key[1], key[2], view, sums[i])
+                            view = views[i]
+                            known[i] = verify_prefixed(prefixes[i], view, sums[i])
                             hashed += view.nbytes
                             if hashed >= PROGRESS_EVERY_BYTES:
                                 progress_now()  # the node's next messages keep coming meanwhile

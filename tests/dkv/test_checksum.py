@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from dkv.checksum import CHECKSUM_SIZE, block_checksum, block_prefix, block_prefixes, verify
+from dkv.checksum import CHECKSUM_SIZE, block_checksum, block_prefix, block_prefixes, verify, verify_prefixed
 from dkv.errors import ProtocolError
 from dkv.wire import check_request
 
@@ -125,3 +125,22 @@ def test_prefixes_of_a_run_equal_each_keys_own_prefix_whether_or_not_the_run_is_
     ]
     for keys, sizes in cases:
         assert block_prefixes(keys, sizes) == [block_prefix(k[0], k[1], k[2], n) for k, n in zip(keys, sizes)]
+
+
+def test_a_prefixed_check_answers_as_verify_does_for_every_block_of_a_run() -> None:
+    """The listener read's per-block check: its prefixes built for the whole run, then each block checked."""
+    keys = [("L", 0, os.urandom(32)) for _ in range(8)] + [("M", 1, os.urandom(8))]
+    blocks = [os.urandom(4096 * (1 + i % 3)) for i in range(len(keys))]
+    sums = [block_checksum(*key, block) for key, block in zip(keys, blocks)]
+    prefixes = block_prefixes(keys, [len(b) for b in blocks])
+    for key, block, prefix, checksum in zip(keys, blocks, prefixes, sums):
+        view = memoryview(bytearray(block))
+        assert verify_prefixed(prefix, view, checksum) is verify(*key, view, checksum) is True
+        view[len(block) // 2] ^= 1
+        assert verify_prefixed(prefix, view, checksum) is verify(*key, view, checksum) is False
+        view[len(block) // 2] ^= 1
+        for bad in (None, checksum[:8], bytearray(checksum), checksum.hex()):
+            assert verify_prefixed(prefix, view, bad) is verify(*key, view, bad) is False
+    # a block checked under another block's prefix (another key, or another length) never verifies
+    assert not verify_prefixed(prefixes[1], memoryview(blocks[0]), sums[0])
+    assert not verify_prefixed(prefixes[0], memoryview(blocks[0])[:-1], sums[0])
