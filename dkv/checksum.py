@@ -98,7 +98,12 @@ def block_checksum(leaf: str, shard: int, block_hash: bytes, data: Any) -> bytes
         view = view.cast("B")
     elif not view.contiguous:  # a 1-D strided slice
         raise ValueError("block_checksum needs a contiguous buffer")
-    hasher = xxhash.xxh3_128(block_prefix(leaf, shard, block_hash, view.nbytes))
+    return _prefixed_sum(block_prefix(leaf, shard, block_hash, view.nbytes), view)
+
+
+def _prefixed_sum(prefix: bytes, view: memoryview) -> bytes:
+    """XXH3-128 of ``prefix`` then ``view``'s bytes, canonical: the checksum once the prefix is built."""
+    hasher = xxhash.xxh3_128(prefix)
     hasher.update(view)
     return hasher.digest()
 
@@ -108,9 +113,7 @@ def verify(leaf: str, shard: int, block_hash: bytes, data: Any, checksum: object
 
     A missing (``None``) or malformed checksum never verifies.
     """
-    if not isinstance(checksum, bytes) or len(checksum) != CHECKSUM_SIZE:
-        return False
-    return block_checksum(leaf, shard, block_hash, data) == checksum
+    return is_checksum(checksum) and block_checksum(leaf, shard, block_hash, data) == checksum
 
 
 def verify_prefixed(prefix: bytes, view: memoryview, checksum: object) -> bool:
@@ -122,11 +125,7 @@ def verify_prefixed(prefix: bytes, view: memoryview, checksum: object) -> bool:
     the view per block: a listener read checks each block this way as its
     message lands, ~0.75 µs a block less.
     """
-    if not isinstance(checksum, bytes) or len(checksum) != CHECKSUM_SIZE:
-        return False
-    hasher = xxhash.xxh3_128(prefix)
-    hasher.update(view)
-    return hasher.digest() == checksum
+    return is_checksum(checksum) and _prefixed_sum(prefix, view) == checksum
 
 
 def is_checksum(value: object) -> bool:
