@@ -75,7 +75,7 @@ for _p in (str(ROOT), str(Path(__file__).resolve().parent)):
 
 import bench_common  # noqa: E402
 from bench_common import (  # noqa: E402
-    die_with_parent, frozen_heap, latency_summary_us, pid_alive, rotate, run_queue_ns)
+    die_with_parent, frozen_heap, latency_summary_us, pid_alive, rotate, round_order, run_queue_ns)
 from dkv.units import format_size, parse_size  # noqa: E402
 
 PAGE = 4096
@@ -965,7 +965,7 @@ class Bench:
         for round_no in range(total):
             self.procs.check_alive()
             verify = round_no in (0, total - 1)  # the first and last round check dKV loads bit-exact
-            for name in rotate(list(contenders), round_no):
+            for name in round_order(contenders, round_no):
                 if name.startswith("dkv_load") and verify:
                     rows.zero()
                 if name.startswith("dkv_offload"):
@@ -1099,7 +1099,7 @@ class Bench:
         switch_interval = sys.getswitchinterval()  # as the live connectors set it (dkv.gil)
         for round_no in range(args.warmup + args.lat_rounds):
             self.procs.check_alive()
-            for name in rotate(list(contenders), round_no):
+            for name in round_order(contenders, round_no):
                 got = contenders[name]()
                 if round_no >= args.warmup:
                     samples[name] += got
@@ -1258,7 +1258,7 @@ class Bench:
 # ---- ratios, targets, report --------------------------------------------------------------------
 
 
-# Ratios also taken round by round (each round runs every contender back to back, rotated), for
+# Ratios also taken round by round (each round runs every contender back to back, shuffled), for
 # information: the targets are judged on the ratio of medians, above.
 PER_ROUND_RATIOS = {"local_load_vs_memcpy": ("dkv_load_local", "memcpy"),
                     "listener_load_vs_tcp_stream": ("dkv_load_listener", "tcp_stream")}
