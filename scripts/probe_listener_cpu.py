@@ -38,6 +38,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -268,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         if helper is not None:
             stop(helper)
         node.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
     return 0
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -14,8 +16,10 @@ CONTENDERS = ("dkv checked", "dkv unchecked", "tcp stream")
 
 @pytest.mark.timeout(120)
 def test_the_listener_cpu_probe_reports_wall_and_cpu_on_both_ends_for_each_contender() -> None:
+    workdirs = set(Path(tempfile.gettempdir()).glob("dkv-probe-cpu-*"))
     proc = run_script(SCRIPT, "--blocks", "16", "--block-size", "64KiB", "--rounds", "2", timeout=110)
     assert proc.returncode == 0, outcome(proc)
+    assert set(Path(tempfile.gettempdir()).glob("dkv-probe-cpu-*")) <= workdirs, "its work directory is removed"
     assert "listener load of 16 x 64.0 KiB (1.0 MiB), 2 rounds" in proc.stdout, proc.stdout
     for name in CONTENDERS:
         row = re.search(rf"^\s+{re.escape(name)}\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)$",
