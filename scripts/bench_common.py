@@ -64,7 +64,8 @@ def round_order(items: Sequence[Any], round_no: int) -> list[Any]:
     memcpy, which had just written the rows it receives into, and the
     listener load always followed the same-host load; the listener load /
     TCP stream ratio at 64 KiB read 0.77-0.80 rotated and 0.82-0.90 shuffled
-    (three runs each, alternated).
+    (the throughput section alone, 40 rounds, three runs each, alternated;
+    shuffled there with the round's number as the seed).
     """
     order = list(items)
     random.Random(ROUND_ORDER_SEED * 1_000_003 + round_no).shuffle(order)
