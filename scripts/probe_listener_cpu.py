@@ -35,7 +35,6 @@ Usage: probe_listener_cpu.py [--blocks 256] [--block-size 64KiB] [--rounds 20]
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -164,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     import torch
 
+    from bench_common import chained_hashes
     from bench_common import wait_done as wait_until_done
     from cluster.process import start_node
     from connector.dkv_connector import DKVConnector
@@ -184,10 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         helper, port = start_helper(workdir)
         stream = TcpStream(port)
-        hashes, h = [], b"\0" * 32
-        for i in range(count):
-            h = hashlib.sha256(h + i.to_bytes(4, "little")).digest()
-            hashes.append(h)
+        hashes = chained_hashes(count)
         rows = torch.randint(0, 256, (count + 1, size), dtype=torch.uint8)
         ids = list(range(1, count + 1))
 
