@@ -1352,10 +1352,14 @@ class NodeClient:
             else:
                 landed = None
                 if self.checksums:
-                    sums = _sums_for(reply.get("sums"), len(views))
-                    prefixes = block_prefixes(wire_keys, [view.nbytes for view in views])  # one pass, not per block
+                    checks: list[Any] = []  # each block's prefix, and the checksums: made once the receives are
+                    # posted (the node's first payload message meets a receive sooner), before the first check
 
                     def landed(start: int, stop: int) -> None:  # check these while the rest arrives
+                        if not checks:
+                            checks[:] = (block_prefixes(wire_keys, [view.nbytes for view in views]),  # one pass
+                                         _sums_for(reply.get("sums"), len(views)))
+                        prefixes, sums = checks
                         hashed = 0
                         for i in range(start, stop):
                             view = views[i]

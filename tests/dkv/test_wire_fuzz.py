@@ -507,11 +507,13 @@ def _recut(sources: list[bytes], ends: list[int]) -> list[bytes]:
 
 
 def _cut_where_no_canary_tells(sources: list[bytes], ends: list[int]) -> bool:
-    """Whether a cut falls in the last 7 bytes of a buffer: a message that ends there overwrote part of
-    the buffer's canary, which then reads as data (a buffer under 8 bytes is all such bytes)."""
+    """Whether a cut falls in the last 7 bytes of a receive (one per group of :func:`payload_plan`): a message
+    that ends there overwrote part of the receive's canary, which then reads as data (a buffer under 8 bytes,
+    received alone, is all such bytes). A cut anywhere else in a group, a buffer's tail included, is caught."""
+    sizes = [len(s) for s in sources if s]
     at = 0
-    for s in sources:
-        end = at + len(s)
+    for start, stop in transport.payload_plan(sizes):
+        end = at + sum(sizes[start:stop])
         if any(end - transport._CANARY < e < end and e > at for e in ends):  # noqa: SLF001
             return True
         at = end
@@ -523,9 +525,9 @@ def _cut_where_no_canary_tells(sources: list[bytes], ends: list[int]) -> bool:
 def test_payloads_arrive_bit_exact_or_fail_typed_however_the_sender_cuts_its_messages(
         case: tuple[list[bytes], list[int] | None, bool]) -> None:
     # A message cut anywhere (inside a buffer too) is caught by the canaries: UCX does not say how long
-    # a message was, so a group is one message and a short one is refused. Except a cut in a buffer's
+    # a message was, so a group is one message and a short one is refused. Except a cut in a group's
     # last 7 bytes: the message then overwrote part of the 8-byte canary, and what is left of it reads
-    # as data (telling it apart would refuse 1 in 256 good buffers); the block's checksum catches that.
+    # as data (telling it apart would refuse 1 in 256 good groups); the block's checksum catches that.
     sources, ends, adjacent = case
     assume(ends is None or not _cut_where_no_canary_tells(sources, ends))
 
