@@ -16,8 +16,11 @@ call over ``--slow-us`` is put in the kind that took most of it: "run queue",
 "GC" (a collection on this thread) or "on CPU" (its own work, including
 cache misses).
 
+``--bg-listener`` makes the background connector load over the node's UCX
+listener instead (its blocks checked on its loop thread as they land).
+
 Usage: probe_scheduler_calls.py [--calls 500] [--call-blocks 64] [--call-size 16KiB] [--bg-blocks 256]
-       [--bg-size 256KiB] [--slow-us 300] [--no-background]
+       [--bg-size 256KiB] [--slow-us 300] [--no-background] [--bg-listener]
 """
 from __future__ import annotations
 
@@ -80,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bg-size", default="256KiB")
     parser.add_argument("--slow-us", type=float, default=300.0)
     parser.add_argument("--no-background", action="store_true", help="time the calls with nothing else loading")
+    parser.add_argument("--bg-listener", action="store_true",
+                        help="the background connector loads over the node's UCX listener (checked as its blocks land)")
     args = parser.parse_args(argv)
 
     import torch
@@ -105,9 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     background: threading.Thread | None = None
     try:
-        def connector(namespace: str, rows: torch.Tensor) -> Any:
+        def connector(namespace: str, rows: torch.Tensor, local: bool | None = None) -> Any:
             conn = DKVConnector({LEAF: full_attention(0)}, [{LEAF: [rows]}], namespace=namespace,
-                                node=str(node.address), timeout=TIMEOUT)
+                                node=str(node.address), timeout=TIMEOUT, local=local)
             made.append(conn)
             return conn
 
@@ -115,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         bg_rows = torch.randint(0, 256, (args.bg_blocks + 1, bg_size), dtype=torch.uint8)
         call_ids, bg_ids = list(range(1, args.call_blocks + 1)), list(range(1, args.bg_blocks + 1))
         call_hashes, bg_hashes = _chain(args.call_blocks, b"c" * 32), _chain(args.bg_blocks, b"b" * 32)
-        conn, bg = connector("probe-calls", call_rows), connector("probe-background", bg_rows)
+        conn = connector("probe-calls", call_rows)
+        bg = connector("probe-background", bg_rows, local=False if args.bg_listener else None)
         wait_done(conn.offload({LEAF: call_ids}, {LEAF: call_hashes}), "the calls' offload")
         wait_done(bg.offload({LEAF: bg_ids}, {LEAF: bg_hashes}), "the background offload")
 
@@ -189,8 +195,10 @@ def main(argv: list[str] | None = None) -> int:
         elapsed = time.monotonic() - t_start
         if failure:
             raise SystemExit(f"the background load failed: {failure[0]}")
+        bg_client = bg._clients.get(bg.node_address)  # (the path its loads took, as the node answered)
+        bg_path = "unknown" if bg_client is None else "same-host" if bg_client.uses_shared_memory else "listener"
         meanwhile = ("with nothing else loading" if args.no_background else
-                     f"while {args.bg_blocks} x {format_size(bg_size)} loads run ({loads[0]} loads, "
+                     f"while {args.bg_blocks} x {format_size(bg_size)} {bg_path} loads run ({loads[0]} loads, "
                      f"{loads[0] * args.bg_blocks * bg_size / 1e9 / max(elapsed, 1e-9):.2f} GB/s)")
         print(f"scheduler-thread calls, {args.call_blocks} x {format_size(call_size)}, {args.calls} each, {meanwhile}; "
               f"load average {os.getloadavg()[0]:.2f}")
