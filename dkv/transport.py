@@ -981,7 +981,49 @@ def payload_plan(sizes: Sequence[int], offsets: Sequence[int] | None = None) -> 
     message dominates below 1 MiB: scripts/probe_payload_groups.py). Such
     a plan depends on one side's memory, so that side tells the other
     (:func:`plan_groups`).
+
+    A read's blocks are usually all one size, and a large run of them back
+    to back: that plan is counted out (:func:`_uniform_plan`, the same
+    answer) rather than walked buffer by buffer, ~40 µs of a 256-block read
+    on each side.
     """
+    uniform = _uniform_plan(sizes, offsets)
+    if uniform is not None:
+        return uniform
+    return _walked_plan(sizes, offsets)
+
+
+def _uniform_plan(sizes: Sequence[int], offsets: Sequence[int] | None) -> list[tuple[int, int]] | None:
+    """:func:`payload_plan` of buffers all of one size that groups the same way throughout; None for any other.
+
+    Buffers of ``_CANARY`` bytes up to ``DIRECT_MIN`` group ``GROUP_BYTES // n``
+    at a time whatever their offsets; larger ones under ``GROUP_BYTES`` do
+    so only where every one lies right after the one before it (``offsets``);
+    those of ``GROUP_BYTES`` or more, or under ``_CANARY``, go alone. Anything
+    in between (a mixed run, a gap) is the walk's to plan.
+    """
+    count = len(sizes)
+    if not count:
+        return []
+    n = sizes[0]
+    if type(n) is not int or sizes.count(n) != count:  # noqa: E721 - (a bool or a float is the walk's)
+        return None
+    if n < _CANARY or n >= GROUP_BYTES:
+        per = 1
+    elif n < DIRECT_MIN:
+        per = GROUP_BYTES // n
+    elif offsets is None:
+        per = 1
+    else:
+        first = offsets[0]
+        if type(first) is not int or list(offsets) != list(range(first, first + n * count, n)):  # noqa: E721
+            return None
+        per = GROUP_BYTES // n
+    return [(i, min(i + per, count)) for i in range(0, count, per)]
+
+
+def _walked_plan(sizes: Sequence[int], offsets: Sequence[int] | None) -> list[tuple[int, int]]:
+    """:func:`payload_plan` buffer by buffer: any sizes, any offsets."""
     plan: list[tuple[int, int]] = []
     start, total, joined = -1, 0, False  # the open group; joined: it is of back-to-back large buffers
     for i, n in enumerate(sizes):
@@ -1028,6 +1070,10 @@ def plan_from_groups(groups: Any, sizes: Sequence[int]) -> list[tuple[int, int]]
     """
     if not isinstance(groups, (list, tuple)) or len(groups) > len(sizes):
         raise ProtocolError("payload groups: not a list of at most one group per block")
+    if sizes and type(sizes[0]) is int:  # noqa: E721 - blocks of one size, cut as a node cuts its back-to-back slots:
+        usual = _uniform_plan(sizes, range(0, sizes[0] * len(sizes), sizes[0]))  # that plan is checked already
+        if usual is not None and set(map(type, groups)) == {int} and list(groups) == plan_groups(usual):  # (4.0 == 4)
+            return usual
     plan: list[tuple[int, int]] = []
     start = 0
     for count in groups:

@@ -346,6 +346,40 @@ def test_a_plan_over_the_senders_offsets_joins_only_back_to_back_buffers_and_sur
 
 
 @settings(max_examples=examples(200))
+@given(size=st.sampled_from([1, 7, 8, 9, 4096, 64 * 1024, transport.DIRECT_MIN - 1, transport.DIRECT_MIN,
+                             transport.DIRECT_MIN + 8, transport.GROUP_BYTES // 3, transport.GROUP_BYTES // 2,
+                             transport.GROUP_BYTES - 8, transport.GROUP_BYTES, 2**21]) | st.integers(1, 2**21),
+       count=st.integers(0, 300), layout=st.sampled_from(["none", "back to back", "a gap", "reversed"]),
+       gap_at=st.integers(0, 299))
+def test_a_plan_of_blocks_all_one_size_is_the_walks_plan(size: int, count: int, layout: str, gap_at: int) -> None:
+    # (the counted-out plan of a read's usual blocks must cut exactly where the buffer-by-buffer walk does,
+    # or the two sides of a read would disagree about its messages)
+    sizes = [size] * count
+    offsets = None if layout == "none" else [4096 + i * size for i in range(count)]
+    if offsets is not None and layout == "a gap" and count:
+        offsets = [o + (4096 if i >= gap_at % count else 0) for i, o in enumerate(offsets)]
+    elif offsets is not None and layout == "reversed":
+        offsets.reverse()
+    plan = transport.payload_plan(sizes, offsets)
+    assert plan == transport._walked_plan(sizes, offsets)  # noqa: SLF001
+    # the receiver takes the cut as told, and refuses one more block in a message than the bound lets in
+    assert transport.plan_from_groups(transport.plan_groups(plan), sizes) == plan
+    if plan:  # the same counts as floats (4.0 == 4) or bools (True == 1) are not counts
+        with pytest.raises(ProtocolError):
+            transport.plan_from_groups([float(g) for g in transport.plan_groups(plan)], sizes)
+        if set(transport.plan_groups(plan)) == {1}:
+            with pytest.raises(ProtocolError):
+                transport.plan_from_groups([True] * len(plan), sizes)
+    if len(plan) > 1 and plan[0][1] - plan[0][0] > 1 and (plan[0][1] - plan[0][0] + 1) * size > transport.GROUP_BYTES:
+        greedy = [plan[0][1] - plan[0][0] + 1] + transport.plan_groups(plan)[1:]
+        greedy[1] -= 1
+        if greedy[1] == 0:
+            del greedy[1]
+        with pytest.raises(ProtocolError):
+            transport.plan_from_groups(greedy, sizes)
+
+
+@settings(max_examples=examples(200))
 @given(sizes=st.lists(st.sampled_from([1, 8, 64 * 1024, transport.GROUP_BYTES // 2, transport.GROUP_BYTES]),
                       max_size=16),
        groups=st.none() | st.integers() | st.text(max_size=4)
