@@ -30,7 +30,14 @@ its lookups (both need checksums): compare loads over
 ``lookup_payload_bytes`` (256 KiB), whose lookups and reads take the same
 path either way.
 
-Usage: probe_listener_cpu.py [--blocks 256] [--block-size 64KiB] [--rounds 20]
+``--pause`` times each contender after a pause instead of right after the
+one before it, as a load that follows other work (the bench's contenders
+run between each other's turns): ``idle`` (40 ms asleep: every process
+idle), ``evict`` (256 MiB written on this thread first: the caches filled
+with other bytes, the serving process idle meanwhile). The line under the
+header says how long the pauses took.
+
+Usage: probe_listener_cpu.py [--blocks 256] [--block-size 64KiB] [--rounds 20] [--pause none|idle|evict]
 """
 from __future__ import annotations
 
@@ -56,6 +63,8 @@ PAGE = 4096
 TIMEOUT = 30.0
 WARMUP = 2
 HELPER_READY = 30.0  # seconds the TCP helper has to announce its port
+IDLE_PAUSE = 0.04  # seconds asleep before each contender with --pause idle
+EVICT_BYTES = 256 << 20  # bytes written before each contender with --pause evict
 
 
 def cpu_seconds(pid: int) -> float:
@@ -155,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=256)
     parser.add_argument("--block-size", default="64KiB")
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--pause", choices=("none", "idle", "evict"), default="none",
+                        help="before each contender: nothing, 40 ms asleep, or 256 MiB written on this thread")
     parser.add_argument("--serve-tcp", type=Path, default=None, help=argparse.SUPPRESS)  # the helper's own mode
     args = parser.parse_args(argv)
     if args.serve_tcp is not None:
@@ -198,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         wait_done(checked.offload({LEAF: ids}, {LEAF: hashes}), "the offload")
         row_bytes, expected = rows.numpy()[1:], rows[1:].clone().numpy()  # (numpy: no torch threads spinning)
         received = np.empty(size * count, dtype=np.uint8)
+        evict = np.empty(EVICT_BYTES if args.pause == "evict" else 0, dtype=np.uint8)
+        pauses: list[float] = []
         me = os.getpid()
 
         def dkv_load(conn: Any) -> Callable[[], None]:
@@ -225,6 +238,12 @@ def main(argv: list[str] | None = None) -> int:
                 run, server = contenders[name]
                 if name.startswith("dkv"):
                     row_bytes.fill(0)
+                paused = time.perf_counter()
+                if args.pause == "idle":
+                    time.sleep(IDLE_PAUSE)
+                elif args.pause == "evict":
+                    evict.fill(round_no & 0xFF)
+                pauses.append(time.perf_counter() - paused)
                 u0, k0 = user_system(me), user_system(server)
                 c0, s0, t0 = cpu_seconds(me), cpu_seconds(server), time.perf_counter()
                 run()
@@ -243,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
         nbytes = size * count
         print(f"listener load of {count} x {format_size(size)} ({format_size(nbytes)}), {args.rounds} rounds; "
               f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}")
+        if args.pause != "none":
+            what = "asleep" if args.pause == "idle" else f"writing {format_size(EVICT_BYTES)} on this thread"
+            print(f"  each contender timed after a pause ({args.pause}): {statistics.median(pauses) * 1e3:.1f} ms "
+                  f"{what} (median)")
         print(f"  {'contender':14s} {'wall p50 ms':>11s} {'GB/s':>6s} {'CPU here ms':>11s} {'CPU server ms':>13s} "
               f"{'cores busy':>10s}")
         for name in names:

@@ -34,6 +34,16 @@ def test_the_listener_cpu_probe_reports_wall_and_cpu_on_both_ends_for_each_conte
                      r"unchecked / tcp stream [0-9.]+", proc.stdout), proc.stdout
 
 
+@pytest.mark.timeout(120)
+def test_the_listener_cpu_probe_pauses_before_each_contender_when_asked() -> None:
+    proc = run_script(SCRIPT, "--blocks", "16", "--block-size", "64KiB", "--rounds", "2", "--pause", "idle",
+                      timeout=110)
+    assert proc.returncode == 0, outcome(proc)
+    found = re.search(r"^\s+each contender timed after a pause \(idle\): ([0-9.]+) ms asleep \(median\)$",
+                      proc.stdout, re.M)
+    assert found is not None and float(found.group(1)) >= 40.0, proc.stdout  # (the pause was taken, not only named)
+
+
 def test_the_listener_cpu_probe_refuses_a_block_size_that_is_not_whole_pages() -> None:
     proc = run_script(SCRIPT, "--block-size", "1000", timeout=60)
     assert proc.returncode == 2 and "multiple of 4 KiB" in proc.stderr
