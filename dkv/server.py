@@ -741,7 +741,11 @@ class NodeServer:
         limit = min(req["send"], self.config.max_lookup_payload)
         hashes, shards = req["hashes"], req["shards"]
         count = sum(map(sum, masks.values())) * shards
-        if not limit or not count or count > MAX_LOOKUP_PAYLOAD_KEYS or self.store.leased_bytes(lease_id) > limit:
+        if not limit or not count or count > MAX_LOOKUP_PAYLOAD_KEYS:
+            return None
+        if shards == 1 and self.store.leased_count(lease_id) == count:  # the lease's blocks are in the sent order
+            return self.store.lease_into_read(lease_id, peer.client_owner, reader=peer.conn_owner, max_bytes=limit)
+        if self.store.leased_bytes(lease_id) > limit:
             return None  # (a large lookup costs a sum of its blocks' sizes, not a read begun and ended)
         namespace = peer.namespace
         keys = [StoreKey(namespace, leaf, shard, h)

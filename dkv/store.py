@@ -206,7 +206,9 @@ class Read:
 
     read_id: int
     owner: str  # the connection moving the bytes
-    blocks: list[Block]  # distinct blocks, each pinned once by this read (so each stays indexed until it ends)
+    # its blocks, each pinned once per entry by this read (so each stays indexed until it ends): distinct, but for
+    # one made of a lease (Store.lease_into_read), which holds a block its lookup found twice twice
+    blocks: list[Block]
     expires_at: float
 
 
@@ -775,6 +777,40 @@ class Store:
         return ReadPlan(read.read_id, [b.offset for b in picked], [b.size for b in picked],
                         [b.checksum for b in picked])
 
+    def lease_into_read(self, lease_id: int, lease_owner: str, *, reader: str, max_bytes: int) -> ReadPlan | None:
+        """End lease ``lease_id`` by handing its pins to a read of every block it holds, in the order it found them.
+
+        What :meth:`begin_read` of all the lease's blocks and then
+        :meth:`end_lease` leave behind (the same read, the same stamps, the
+        lease gone), without a key built or looked up and with no pin given
+        back and taken again: each of the lease's pins becomes the read's.
+        The read's blocks are the lease's, a block its lookup found twice
+        twice (each pinned once per place), so their order is the lookup's:
+        leaf by leaf, hash by hash, as a node sends a one-shard lookup's
+        blocks with its answer. ``None``, with the lease as it was, when
+        ``lease_owner`` holds no such lease, or its blocks come to more than
+        ``max_bytes``, or one was stored without a checksum.
+        """
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.owner != lease_owner:
+            return None
+        blocks = lease.blocks
+        sizes = list(map(_SIZE, blocks))
+        sums = [block.checksum for block in blocks]
+        if sum(sizes) > max_bytes or None in sums:
+            return None
+        self._drop_lease(lease)  # (its pins stay: they are the read's now)
+        read = Read(next(self._ids), reader, blocks, self.clock() + self.read_ttl)
+        self.reads[read.read_id] = read
+        self._owner_reads.setdefault(reader, {})[read.read_id] = None
+        self._schedule_expiry(read.expires_at, _READ, read.read_id)
+        if len(set(map(id, blocks))) == len(blocks):
+            self._stamp_blocks(blocks, lease.depths)
+        else:  # each once, at its last place (as begin_read stamps a key the lease holds twice)
+            last = dict(zip(map(id, blocks), zip(blocks, lease.depths)))
+            self._stamp_blocks([b for b, _ in last.values()], [d for _, d in last.values()])
+        return ReadPlan(read.read_id, [block.offset for block in blocks], sizes, sums)
+
     def end_read(self, read_id: int) -> bool:
         """End a read and drop its pins. True when its pins were still held (the read is intact).
 
@@ -869,6 +905,11 @@ class Store:
             if live:
                 self._stamp_blocks([block for block, _ in live], [depth for _, depth in live])
 
+    def leased_count(self, lease_id: int) -> int:
+        """How many blocks lease ``lease_id`` pins (one its lookup named twice, twice); 0 when it is not held."""
+        lease = self.leases.get(lease_id)
+        return 0 if lease is None else len(lease.blocks)
+
     def leased_bytes(self, lease_id: int) -> int:
         """The bytes of the blocks lease ``lease_id`` pins (one its lookup named twice, twice); 0 when it is not held."""
         lease = self.leases.get(lease_id)
@@ -876,17 +917,23 @@ class Store:
 
     def end_lease(self, lease_id: int) -> bool:
         """End a lease and unpin its blocks; False if it was not held. Idempotent."""
-        lease = self.leases.pop(lease_id, None)
+        lease = self.leases.get(lease_id)
         if lease is None:
             return False
+        self._drop_lease(lease)
         self._unpin_blocks(lease.blocks)
+        return True
+
+    def _drop_lease(self, lease: Lease) -> None:
+        """Take ``lease`` out of every book (the node's, its owner's, its credential's, its group's); its pins stay."""
+        lease_id = lease.lease_id
+        del self.leases[lease_id]
         self._owner_leases.get(lease.owner, {}).pop(lease_id, None)
         usage = self._tenants.get(lease.tenant)
         if usage is not None:
             usage.leases.pop(lease_id, None)
         if self._group_lease.get((lease.owner, lease.group)) == lease_id:
             del self._group_lease[(lease.owner, lease.group)]
-        return True
 
     # ---- two-phase writes -------------------------------------------------------------------
 

@@ -95,6 +95,28 @@ async def test_a_lookup_that_asks_gets_its_blocks_and_their_load_asks_nothing_mo
     assert stats["ops"].get("read", 0) == reads_before and stats["ops"].get("end", 0) == 0  # no request at all
 
 
+@pytest.mark.parametrize("way", ["ucx", "tcp-control-socket"])
+async def test_a_one_shard_lookup_s_lease_becomes_the_read_that_sends_its_blocks_a_repeated_hash_at_each_place(
+        node_factory, clients, way: str) -> None:
+    """One shard: the node hands the lease's pins to the read (Store.lease_into_read); the blocks still come in the
+    lookup's order, leaf by leaf, hash by hash where the mask is set, a hash named twice at each of its places."""
+    node = node_factory(*(() if way == "tcp-control-socket" else ("--peer-control-port", "off")))
+    writer = clients(node.address)
+    h = [os.urandom(32) for _ in range(4)]
+    data = await _store(writer, {"a": h, "b": [h[0], h[2], h[3]]})
+    reader = clients(node.address, local=False)
+    looked_up = [h[0], h[1], h[0], h[2], h[3]]
+    found = await reader.lookup(looked_up, ["a", "b"], send=ASK)
+    assert found.received and found.rejected == 0
+    assert found.masks == {"a": [True] * 5, "b": [True, False, True, True, True]}
+    stats = await node_stats(node.address)
+    assert stats["lookups_with_payload"] == 1
+    assert stats["leases"] == 0 and stats["reads"] == 0 and stats["pinned_blocks"] == 0  # nothing held for it
+    keys = [BlockKey(leaf, 0, x) for leaf in ("b", "a") for x in reversed(looked_up) if BlockKey(leaf, 0, x) in data]
+    await _read(reader, found.lease_id, keys, data)
+    assert reader.fast_reads == 1
+
+
 async def test_an_answer_too_large_to_carry_its_blocks_sends_them_after_it_though_the_client_made_room(
         node_factory, clients, monkeypatch, payload_receives: list[Any]) -> None:
     """1,024 small blocks: their sizes and checksums make the answer's body larger than an inline one (over UCX)."""

@@ -220,6 +220,59 @@ def test_read_stamps_the_loaded_blocks(store: Store) -> None:
     assert {k.hash for k in gone[:2]} == set(chain(2, b"o"))
 
 
+def _put_summed(store: Store, ks: list[StoreKey]) -> None:
+    """``put``, each block with a checksum of its own (a lease hands a read only blocks that have one)."""
+    res, _ = store.reserve("w", ks, [BLOCK] * len(ks), [bytes([k.hash[-1]]) * 16 for k in ks])
+    for k, off, n in zip(res.keys, res.offsets, res.sizes):
+        store.arena.slot(k.namespace, off, n)[:] = bytes([k.hash[-1]]) * n
+    store.commit(res.write_id, "w")
+
+
+def test_a_lease_handed_to_a_read_moves_its_pins_and_lists_its_blocks_in_lookup_order(store: Store) -> None:
+    h = chain(2)
+    _put_summed(store, keys(h) + keys(h, leaf="M"))
+    looked_up = [h[0], h[1], h[0]]  # a hash named twice is held, and sent, at each of its places
+    _, lease = store.lookup(NS, looked_up, ["L", "M"], 1, owner="c")
+    assert lease is not None
+    expected = [store.blocks[k] for k in keys(looked_up) + keys(looked_up, leaf="M")]
+    pins = [b.pins for b in expected]
+    assert store.lease_into_read(lease.lease_id, "someone-else", reader="conn", max_bytes=1 << 30) is None
+    assert store.lease_into_read(lease.lease_id, "c", reader="conn", max_bytes=6 * BLOCK - 1) is None
+    assert lease.lease_id in store.leases and [b.pins for b in expected] == pins  # refused: the lease as it was
+
+    read = store.lease_into_read(lease.lease_id, "c", reader="conn", max_bytes=6 * BLOCK)
+    assert read is not None
+    assert read.offsets == [b.offset for b in expected] and read.sizes == [BLOCK] * 6
+    assert read.checksums == [b.checksum for b in expected]
+    assert lease.lease_id not in store.leases and store.leases_of("c") == 0 and store.reads_of("conn") == 1
+    assert [b.pins for b in expected] == pins, "the lease's pins are the read's: none given back, none taken"
+    store.lookup(NS, h, ["L"], 1, owner="c")  # the group's next lookup ends no lease of the read's
+    store.drop_owner("c")
+    assert all(b.pins > 0 for b in expected)
+    assert store.end_read(read.read_id)
+    assert all(b.pins == 0 for b in store.blocks.values()) and store.pinned_blocks == 0
+
+
+def test_a_lease_with_a_block_stored_without_a_checksum_is_not_handed_to_a_read(store: Store) -> None:
+    put(store, keys(chain(1)))
+    _, lease = store.lookup(NS, chain(1), ["L"], 1, owner="c")
+    assert lease is not None
+    assert store.lease_into_read(lease.lease_id, "c", reader="conn", max_bytes=1 << 30) is None
+    assert lease.lease_id in store.leases and not store.reads
+
+
+def test_a_lease_handed_to_a_read_stamps_its_blocks(store: Store) -> None:
+    h = chain(2)
+    _put_summed(store, keys(h))
+    put(store, keys(chain(2, b"o")))
+    _, lease = store.lookup(NS, h + h[:1], ["L"], 1, owner="c")
+    assert lease is not None
+    read = store.lease_into_read(lease.lease_id, "c", reader="conn", max_bytes=1 << 30)
+    assert read is not None and store.end_read(read.read_id)
+    gone = _eviction_order(store, 6)
+    assert {k.hash for k in gone[:2]} == set(chain(2, b"o"))
+
+
 def test_host_byte_accounting(store: Store) -> None:
     free, total = store.host_bytes()
     assert (free, total) == (8 * BLOCK, 8 * BLOCK)
