@@ -32,7 +32,10 @@ Contract:
 * The reply is first polled for, without the GIL, for up to ``spin``
   seconds (:mod:`dkv.polling`; nothing where it is not built), then waited
   for in a blocking receive: a thread asleep in ``recv`` pays its core's
-  wake-up when the reply lands, tens of µs on a virtual machine.
+  wake-up when the reply lands, tens of µs on a virtual machine. Once its
+  first bytes are in, each next part (the node's one write of a reply and
+  64 KiB of blocks arrives in two segments over loopback) is polled for
+  the same way, for up to ``spin`` each.
 * :attr:`closed` is a flag (no system call) and :meth:`abort` is safe from
   any thread: while an exchange runs it only shuts the socket down (which
   wakes the blocked call) and the exchanging thread closes the descriptor,
@@ -141,7 +144,8 @@ class DirectChannel:
                 sent = _sent_bytes(reply, room)
                 if sent is None and got > end:
                     raise ProtocolError(f"{got - end} bytes past the reply's frame: the stream is out of step")
-                payload = None if sent is None else _receive_bytes(sock, buffer, end, got, sent, deadline)
+                payload = None if sent is None else _receive_bytes(sock, buffer, end, got, sent, deadline,
+                                                                   self._spin_ns)
             except _TIMED_OUT as exc:
                 self._fail()
                 raise OpTimeout(f"receive from {self.peer} timed out after {timeout:.1f}s") from exc
@@ -223,7 +227,8 @@ def _receive_frame(sock: socket.socket, inbox: memoryview, deadline: float, max_
     before the next exchange), where header and body usually come in one
     read, or, for a frame larger than ``inbox``, a buffer of its own. The
     first read is polled for up to ``spin_ns`` (never past ``deadline``)
-    before a blocking one. The node sends nothing unasked, so a byte past the
+    before a blocking one, and so is each next part once the first came
+    (:func:`_fill`). The node sends nothing unasked, so a byte past the
     frame means the stream is out of step (a :class:`~dkv.errors.ProtocolError`)
     unless ``bytes_may_follow`` (a request that asked for block bytes after
     its reply): then they are ``buffer[end:got]``. The header is checked (its
@@ -235,8 +240,9 @@ def _receive_frame(sock: socket.socket, inbox: memoryview, deadline: float, max_
         got = polling.recv_spin(sock.fileno(), inbox, min(spin_ns, int((deadline - time.monotonic()) * 1e9)))
         if got == 0:
             raise ConnectionResetError("the node closed the connection")
-        got = max(got, 0)  # -1: nothing yet
-    got = _fill(sock, inbox, got, HEADER_SIZE, deadline)
+        if got < 0:  # nothing within the bound: the rest is waited for, not polled for again
+            got, spin_ns = 0, 0
+    got = _fill(sock, inbox, got, HEADER_SIZE, deadline, spin_ns)
     length = decode_header(bytes(inbox[:HEADER_SIZE]), max_frame)
     total = HEADER_SIZE + length
     if got > total and not bytes_may_follow:
@@ -245,7 +251,7 @@ def _receive_frame(sock: socket.socket, inbox: memoryview, deadline: float, max_
         larger = memoryview(bytearray(total))
         larger[:got] = inbox[:got]
         inbox = larger
-    got = _fill(sock, inbox, got, total, deadline)
+    got = _fill(sock, inbox, got, total, deadline, spin_ns)
     return inbox, total, got
 
 
@@ -270,25 +276,40 @@ def _sent_bytes(reply: Any, room: int) -> int | None:
 
 
 def _receive_bytes(sock: socket.socket, buffer: memoryview, at: int, got: int, count: int,
-                   deadline: float) -> memoryview:
+                   deadline: float, spin_ns: int = 0) -> memoryview:
     """The ``count`` bytes that follow a reply ending at ``buffer[at]`` (``got`` bytes of ``buffer`` read so far).
 
     Read on into ``buffer`` where they fit (so nothing is copied), else into
-    a buffer of their own.
+    a buffer of their own; polled for as :func:`_fill` says.
     """
     if got - at > count:
         raise ProtocolError(f"{got - at - count} bytes past the reply's blocks: the stream is out of step")
     if at + count <= len(buffer):
-        _fill(sock, buffer, got, at + count, deadline)
+        _fill(sock, buffer, got, at + count, deadline, spin_ns)
         return buffer[at:at + count]
     own = memoryview(bytearray(count))
     own[:got - at] = buffer[at:got]
-    _fill(sock, own, got - at, count, deadline)
+    _fill(sock, own, got - at, count, deadline, spin_ns)
     return own
 
 
-def _fill(sock: socket.socket, view: memoryview, got: int, at_least: int, deadline: float) -> int:
-    """Read into ``view`` from ``got`` until at least ``at_least`` bytes are in; how many are."""
+def _fill(sock: socket.socket, view: memoryview, got: int, at_least: int, deadline: float, spin_ns: int = 0) -> int:
+    """Read into ``view`` from ``got`` until at least ``at_least`` bytes are in; how many are.
+
+    The rest of a message whose start is in is usually on its way: a reply
+    and the block bytes after it leave the node in one write, which loopback
+    delivers in segments of at most 64 KiB. With ``spin_ns`` each next part
+    is first polled for, without the GIL, for up to that long (never past
+    ``deadline``), then waited for in a blocking receive as before.
+    """
+    while spin_ns and got < at_least:
+        assert polling.recv_spin is not None  # (spin_ns is 0 where it is not built)
+        n = polling.recv_spin(sock.fileno(), view[got:], min(spin_ns, int((deadline - time.monotonic()) * 1e9)))
+        if n == 0:
+            raise ConnectionResetError("the node closed the connection")
+        if n < 0:
+            break  # nothing within the bound: wait for it
+        got += n
     while got < at_least:
         _bounded(sock, deadline, socket.SO_RCVTIMEO)
         n = sock.recv_into(view[got:])

@@ -264,6 +264,25 @@ def test_the_bytes_a_reply_names_come_back_with_it_exactly(pair, cut: int | None
     assert channel.exchanges == 4 and not channel.closed
 
 
+def test_the_rest_of_a_reply_that_comes_after_the_polling_bound_is_waited_for(pair) -> None:
+    """Each part after the first is polled for up to the bound, then waited for: a late one still comes whole."""
+    channel, theirs = pair
+    blocks = [os.urandom(64 * 1024), os.urandom(5000)]
+
+    def late_parts(request: dict) -> bytes:
+        data = _with_blocks(blocks, n=request["n"])
+        for cut in (3, 70_000, len(data)):  # inside the header; inside the blocks; the end
+            theirs.sendall(data[:cut])
+            data = data[cut:]
+            time.sleep(20 * REPLY_SPIN)  # well past the polling bound
+        return b""
+
+    FakeNode(theirs, late_parts)
+    reply, payload = channel.exchange_with({"op": "lookup", "n": 5}, 10.0, room=80_000)
+    assert reply["n"] == 5 and payload is not None and bytes(payload) == b"".join(blocks)
+    assert not channel.closed
+
+
 def test_a_reply_without_sent_to_a_request_that_made_room_brings_no_bytes(pair) -> None:
     channel, theirs = pair
     FakeNode(theirs, _echo)
