@@ -764,14 +764,24 @@ class NodeServer:
         the bytes go in the answer's own UCX message where its body is
         inline (:meth:`Connection.send_message_with`); else as a read's
         payload messages after it. On a stream connection they follow the
-        answer in the same write (the bytes are the same either way).
+        answer in the same write (the bytes are the same either way), and the
+        answer tells no ``groups`` (a stream has no messages to cut).
         """
         try:
+            conn = peer.conn
+            if isinstance(conn, StreamConnection):  # no message boundaries: no cut to plan or tell (groups)
+                slot, namespace = self.arena.slot, peer.namespace
+                blocks = [slot(namespace, offset, size) for offset, size in zip(read.offsets, read.sizes) if size]
+                await conn.send_message_with({"ok": True, **answer, "sent": {"sizes": read.sizes,
+                                                                             "sums": read.checksums}},
+                                             blocks, self.config.op_timeout)
+                self.traffic["out"]["listener"] += sum(read.sizes)
+                self.lookup_payloads += 1
+                return
             plan, offsets, sizes = self._payload_plan(read)
             reply = {"ok": True, **answer, "sent": {"sizes": read.sizes, "sums": read.checksums,
                                                     "groups": plan_groups(plan)}}
-            conn = peer.conn
-            if isinstance(conn, StreamConnection) or (inline and isinstance(conn, Connection)):
+            if inline and isinstance(conn, Connection):
                 slot = self.arena.slot
                 blocks = [slot(peer.namespace, offset, size) for offset, size in zip(offsets, sizes)]
                 carried = await conn.send_message_with(reply, blocks, self.config.op_timeout)

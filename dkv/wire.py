@@ -83,7 +83,9 @@ each stored with a checksum) and the connection was not handed its segment,
 the node reads every leased block as a ``read`` with ``end`` would (its own
 pins; the lease ends at once) and answers with ``"sent": {"sizes": [...],
 "sums": [...], "groups": [...]}`` besides the masks, lease id and TTL, then
-sends the blocks as a ``read`` reply's payload. Their order: leaf by leaf as
+sends the blocks as a ``read`` reply's payload (on a stream connection, the
+node's TCP control socket, right after the answer in the same write, with no
+``groups``: a stream has no messages to cut). Their order: leaf by leaf as
 asked, hash by hash where that leaf's mask is set, shard by shard. The client
 checks every block against its checksum as it lands and keeps the bytes for
 the lease's load, which then copies them without asking the node; the lease
