@@ -95,15 +95,24 @@ class RowRun(NamedTuple):
 _NO_SUM = bytes(CHECKSUM_SIZE)
 
 
+_Entry = tuple[np.ndarray, np.ndarray, np.ndarray]  # one leaf's slot map: offsets, sizes (int64), checksums
+_FEW_INT64S = [struct.Struct(f"={n}q") for n in range(FEW_KEYS + 1)]  # (a Struct made per call costs ~0.5 µs)
+
+
+def _entry(offsets: bytes, sizes: bytes, sums: bytes) -> _Entry:
+    """One leaf's packed slot map as arrays over its bytes (no copy)."""
+    return np.frombuffer(offsets, dtype=np.int64), np.frombuffer(sizes, dtype=np.int64), np.frombuffer(sums, dtype=_CHECKSUM)
+
+
 def _received_map_few(count: int, shards: int, masks: dict[str, list[bool]], sizes: Sequence[int],
-                      sums: Sequence[bytes], good: Sequence[bool]) -> dict[str, list[bytes]]:
+                      sums: Sequence[bytes], good: Sequence[bool]) -> dict[str, _Entry]:
     """:func:`_received_map_arrays` of a few keys, a Python step each (numpy's fixed cost per pass is most of a small map)."""
     starts, at = [], 0
     for size, ok in zip(sizes, good):
         starts.append(at if ok else -1)
         at += size
-    pack = struct.Struct(f"={count}q").pack
-    raw: dict[str, list[bytes]] = {}
+    pack = _FEW_INT64S[count].pack
+    entries: dict[str, _Entry] = {}
     k = 0
     for leaf, mask in masks.items():
         offsets, slot_sizes, leaf_sums = [-1] * count, [0] * count, [_NO_SUM] * count
@@ -111,12 +120,12 @@ def _received_map_few(count: int, shards: int, masks: dict[str, list[bool]], siz
             for place in range(row * shards, row * shards + shards):
                 offsets[place], slot_sizes[place], leaf_sums[place] = starts[k], sizes[k], sums[k]
                 k += 1
-        raw[leaf] = [pack(*offsets), pack(*slot_sizes), b"".join(leaf_sums)]
-    return raw
+        entries[leaf] = _entry(pack(*offsets), pack(*slot_sizes), b"".join(leaf_sums))
+    return entries
 
 
 def _received_map_arrays(count: int, shards: int, masks: dict[str, list[bool]], sizes: Sequence[int],
-                         sums: Sequence[bytes], good: Sequence[bool]) -> dict[str, list[bytes]]:
+                         sums: Sequence[bytes], good: Sequence[bool]) -> dict[str, _Entry]:
     """The slot map (per leaf: offsets, sizes, sums over hashes x shards) of blocks sent with a lookup's answer.
 
     See :meth:`LeaseSlots.received_with_lookup`; array passes over all of them.
@@ -125,7 +134,7 @@ def _received_map_arrays(count: int, shards: int, masks: dict[str, list[bool]], 
     np.cumsum(np.asarray(sizes, dtype=np.int64), out=starts[1:])
     starts[:-1][~np.asarray(good, dtype=bool)] = -1
     packed_sums = np.frombuffer(b"".join(sums), dtype=_CHECKSUM) if sums else np.empty(0, dtype=_CHECKSUM)
-    raw: dict[str, list[bytes]] = {}
+    entries: dict[str, _Entry] = {}
     at = 0
     for leaf, mask in masks.items():
         rows = np.flatnonzero(np.asarray(mask, dtype=bool))
@@ -136,8 +145,8 @@ def _received_map_arrays(count: int, shards: int, masks: dict[str, list[bool]], 
         taken = slice(at, at + len(places))
         offsets[places], slot_sizes[places], leaf_sums[places] = starts[taken], sizes[taken], packed_sums[taken]
         at += len(places)
-        raw[leaf] = [offsets.tobytes(), slot_sizes.tobytes(), leaf_sums.tobytes()]
-    return raw
+        entries[leaf] = (offsets, slot_sizes, leaf_sums)
+    return entries
 
 
 class ReceivedBlocks:
@@ -183,15 +192,18 @@ class LeaseSlots:
         if not isinstance(raw, dict):
             raise ProtocolError("slots must be a map")
         count = len(hashes) * shards
-        slots: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        slots: dict[str, _Entry] = {}
         for leaf, entry in raw.items():
             if not (isinstance(entry, list) and len(entry) == 3 and all(isinstance(x, bytes) for x in entry)):
                 raise ProtocolError(f"slots of leaf {leaf!r} are malformed")
             offsets, sizes, sums = entry
             if len(offsets) != 8 * count or len(sizes) != 8 * count or len(sums) != CHECKSUM_SIZE * count:
                 raise ProtocolError(f"slots of leaf {leaf!r} have the wrong length")
-            slots[leaf] = (np.frombuffer(offsets, dtype=np.int64), np.frombuffer(sizes, dtype=np.int64),
-                           np.frombuffer(sums, dtype=_CHECKSUM))
+            slots[leaf] = _entry(offsets, sizes, sums)
+        self._take(mapping, hashes, shards, slots, live_until)
+
+    def _take(self, mapping: SegmentMapping | ReceivedBlocks, hashes: Sequence[bytes], shards: int,
+              slots: dict[str, _Entry], live_until: float) -> None:
         self.mapping = mapping
         self.shards = shards
         self.live_until = live_until
@@ -212,10 +224,12 @@ class LeaseSlots:
         """
         count = len(hashes) * shards
         if count <= FEW_KEYS:
-            raw = _received_map_few(count, shards, masks, sizes, sums, good)
+            entries = _received_map_few(count, shards, masks, sizes, sums, good)
         else:
-            raw = _received_map_arrays(count, shards, masks, sizes, sums, good)
-        return cls(blocks, hashes, shards, raw, live_until=float("inf"))
+            entries = _received_map_arrays(count, shards, masks, sizes, sums, good)
+        slots = cls.__new__(cls)  # (built here, not parsed from a reply: nothing to check)
+        slots._take(blocks, hashes, shards, entries, float("inf"))
+        return slots
 
     @property
     def received(self) -> bool:
