@@ -106,6 +106,29 @@ async def test_an_abort_wakes_a_waiting_receive_and_a_timeout_aborts(pair) -> No
         theirs.close()
 
 
+async def test_a_cancelled_wait_aborts_the_connection_and_stays_a_cancellation(pair) -> None:
+    """A receive or a send left half done leaves the stream out of step: cancelling either aborts it."""
+    conn, theirs = pair
+    waiting = asyncio.ensure_future(conn.recv_message(30.0))
+    await asyncio.sleep(0.05)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert conn.closed
+    ours, theirs2 = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        stuck = StreamConnection(ours, "stuck")
+        sending = asyncio.ensure_future(stuck.send_payloads([os.urandom(4 << 20)], 30.0))  # nobody reads
+        await asyncio.sleep(0.05)
+        sending.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await sending
+        assert stuck.closed
+    finally:
+        theirs2.close()
+
+
 async def test_a_header_claiming_more_than_the_bound_is_refused_before_its_body(pair) -> None:
     conn, theirs = pair
     conn.max_frame = 1024
