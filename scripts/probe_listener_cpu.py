@@ -37,7 +37,15 @@ idle), ``evict`` (256 MiB written on this thread first: the caches filled
 with other bytes, the serving process idle meanwhile). The line under the
 header says how long the pauses took.
 
-Usage: probe_listener_cpu.py [--blocks 256] [--block-size 64KiB] [--rounds 20] [--pause none|idle|evict]
+``--pin`` puts the servers (the node and the TCP helper, every thread) on
+the last CPU this process may use and this process on the others, before
+any connector starts its threads: the layout of a deployment that gives its
+node cores of its own. Unpinned, a load that follows a pause can run with
+both ends on one CPU (the reader's threads follow the node that wakes
+them); pinned, it cannot. The line under the header names the CPUs, as
+each process reads them back.
+
+Usage: probe_listener_cpu.py [--blocks 256] [--block-size 64KiB] [--rounds 20] [--pause none|idle|evict] [--pin]
 """
 from __future__ import annotations
 
@@ -91,6 +99,17 @@ def share(part: float, rest: float) -> str:
     """``part`` as a percentage of ``part + rest``; a dash when no tick fell in either."""
     whole = part + rest
     return f"{100 * part / whole:.0f}%" if whole > 0 else "-"
+
+
+def pin(pid: int, cpus: set[int]) -> str:
+    """Every thread of ``pid`` onto ``cpus`` (threads it starts later inherit it); its CPU list as it reads back."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(task), cpus)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            continue
+    with open(f"/proc/{pid}/status") as f:
+        return next(line.split(":", 1)[1].strip() for line in f if line.startswith("Cpus_allowed_list:"))
 
 
 def serve_tcp(portfile: Path) -> int:
@@ -166,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--pause", choices=("none", "idle", "evict"), default="none",
                         help="before each contender: nothing, 40 ms asleep, or 256 MiB written on this thread")
+    parser.add_argument("--pin", action="store_true",
+                        help="the node and the TCP helper on the last CPU, this process on the others")
     parser.add_argument("--serve-tcp", type=Path, default=None, help=argparse.SUPPRESS)  # the helper's own mode
     args = parser.parse_args(argv)
     if args.serve_tcp is not None:
@@ -187,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     size, count = parse_size(args.block_size), args.blocks
     if size < 1 or size % PAGE or not 1 <= count <= 4096 or args.rounds < 1:
         parser.error("--block-size a multiple of 4 KiB, --blocks in [1, 4096], --rounds >= 1")
+    usable = sorted(os.sched_getaffinity(0))
+    if args.pin and len(usable) < 2:
+        parser.error(f"--pin needs at least two CPUs this process may use, not {len(usable)}")
     pool = max(64 << 20, 2 * size * count + (16 << 20))
     workdir = Path(tempfile.mkdtemp(prefix="dkv-probe-cpu-"))
     node = start_node("--log-level", "WARNING", pool=str(pool), workdir=workdir / "node", exit_with_parent=True)
@@ -194,6 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     conns: list[Any] = []
     try:
         helper, port = start_helper(workdir)
+        pinned = ""
+        if args.pin:  # before any connector starts its threads (they inherit this thread's CPUs)
+            servers, here_cpus = {usable[-1]}, set(usable[:-1])
+            pinned = (f"  pinned: the node on CPU {pin(node.pid, servers)}, the TCP helper on CPU "
+                      f"{pin(helper.pid, servers)}, this process on CPU {pin(os.getpid(), here_cpus)} (as read back)")
         stream = TcpStream(port)
         hashes = chained_hashes(count)
         rows = torch.randint(0, 256, (count + 1, size), dtype=torch.uint8)
@@ -262,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         nbytes = size * count
         print(f"listener load of {count} x {format_size(size)} ({format_size(nbytes)}), {args.rounds} rounds; "
               f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}")
+        if pinned:
+            print(pinned)
         if args.pause != "none":
             what = "asleep" if args.pause == "idle" else f"writing {format_size(EVICT_BYTES)} on this thread"
             print(f"  each contender timed after a pause ({args.pause}): {statistics.median(pauses) * 1e3:.1f} ms "

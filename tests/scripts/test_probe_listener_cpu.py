@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import tempfile
 from pathlib import Path
@@ -42,6 +43,21 @@ def test_the_listener_cpu_probe_pauses_before_each_contender_when_asked() -> Non
     found = re.search(r"^\s+each contender timed after a pause \(idle\): ([0-9.]+) ms asleep \(median\)$",
                       proc.stdout, re.M)
     assert found is not None and float(found.group(1)) >= 40.0, proc.stdout  # (the pause was taken, not only named)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="--pin needs two CPUs (it refuses otherwise)")
+def test_the_listener_cpu_probe_pins_the_servers_apart_from_the_reader_when_asked() -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    proc = run_script(SCRIPT, "--blocks", "16", "--block-size", "64KiB", "--rounds", "2", "--pin", timeout=110)
+    assert proc.returncode == 0, outcome(proc)
+    found = re.search(r"^\s+pinned: the node on CPU (\S+), the TCP helper on CPU (\S+), this process on CPU (\S+) "
+                      r"\(as read back\)$", proc.stdout, re.M)
+    assert found is not None, proc.stdout
+    node, helper, here = found.groups()
+    assert node == helper == str(cpus[-1]), proc.stdout  # the kernel's own read-back, not what was asked
+    assert str(cpus[-1]) not in here.replace("-", ",").split(","), proc.stdout
+    assert re.search(r"^\s+dkv checked\s+[0-9.]+", proc.stdout, re.M), proc.stdout
 
 
 def test_the_listener_cpu_probe_refuses_a_block_size_that_is_not_whole_pages() -> None:
