@@ -236,10 +236,7 @@ def _receive_frame(sock: socket.socket, inbox: memoryview, deadline: float, max_
     """
     got = 0
     if spin_ns:
-        assert polling.recv_spin is not None  # (spin_ns is 0 where it is not built)
-        got = polling.recv_spin(sock.fileno(), inbox, min(spin_ns, int((deadline - time.monotonic()) * 1e9)))
-        if got == 0:
-            raise ConnectionResetError("the node closed the connection")
+        got = _polled_read(sock, inbox, deadline, spin_ns)
         if got < 0:  # nothing within the bound: the rest is waited for, not polled for again
             got, spin_ns = 0, 0
     got = _fill(sock, inbox, got, HEADER_SIZE, deadline, spin_ns)
@@ -293,6 +290,19 @@ def _receive_bytes(sock: socket.socket, buffer: memoryview, at: int, got: int, c
     return own
 
 
+def _polled_read(sock: socket.socket, view: memoryview, deadline: float, spin_ns: int) -> int:
+    """One read into ``view``'s start, polled for up to ``spin_ns`` (never past ``deadline``): the bytes read, or -1.
+
+    ``ConnectionResetError`` when the node closed the stream. Only where
+    :mod:`dkv.polling` is built (``spin_ns`` is 0 elsewhere).
+    """
+    assert polling.recv_spin is not None  # (spin_ns is 0 where it is not built)
+    n = polling.recv_spin(sock.fileno(), view, min(spin_ns, int((deadline - time.monotonic()) * 1e9)))
+    if n == 0:
+        raise ConnectionResetError("the node closed the connection")
+    return n
+
+
 def _fill(sock: socket.socket, view: memoryview, got: int, at_least: int, deadline: float, spin_ns: int = 0) -> int:
     """Read into ``view`` from ``got`` until at least ``at_least`` bytes are in; how many are.
 
@@ -303,10 +313,7 @@ def _fill(sock: socket.socket, view: memoryview, got: int, at_least: int, deadli
     ``deadline``), then waited for in a blocking receive as before.
     """
     while spin_ns and got < at_least:
-        assert polling.recv_spin is not None  # (spin_ns is 0 where it is not built)
-        n = polling.recv_spin(sock.fileno(), view[got:], min(spin_ns, int((deadline - time.monotonic()) * 1e9)))
-        if n == 0:
-            raise ConnectionResetError("the node closed the connection")
+        n = _polled_read(sock, view[got:], deadline, spin_ns)
         if n < 0:
             break  # nothing within the bound: wait for it
         got += n
