@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 import connector.scheduler_side as scheduler_side
-from cluster.etcd_process import free_port
 from connector.types import CompletedTransfer
 from tests.connector.test_connector import BOUND, answered, chain, fill, offload_chain, wait
 
@@ -16,8 +15,8 @@ OFFLOADS = 8  # offloads posted while the node is dead
 def test_offloads_to_a_killed_colocated_node_are_dropped_at_once_and_resume_once_it_is_back(
         node_factory, connectors, monkeypatch) -> None:
     monkeypatch.setattr(scheduler_side, "UNREACHABLE_BACKOFF", BACKOFF)
-    listen = f"127.0.0.1:{free_port()}"
-    node = node_factory(listen=listen)
+    node = node_factory()  # port 0: a port picked first could be taken before the node binds it
+    listen = node.address
     conn = connectors(node.address, timeout=2.0)
     blocks = conn._blocks  # noqa: SLF001 - the connector's own device rows
     leaves = list(blocks[0])

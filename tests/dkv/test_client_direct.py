@@ -32,6 +32,7 @@ from dkv.errors import NodeBusy, OpTimeout, ProtocolError
 from dkv.wire import HEADER_SIZE, decode_body, decode_header, encode_body, encode_header
 from dkv.keys import BlockKey
 from tests.conftest import node_stats, wait_for_stats
+from tests.ports import on_a_free_port
 
 BLOCK = 64 * 1024
 HELD = 8
@@ -112,15 +113,8 @@ async def test_the_direct_channel_is_the_clients_own_connection_for_its_leases(n
     assert stats["leases"] == 0 and stats["pinned_blocks"] == 0, stats
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 async def test_a_listener_client_opens_its_direct_channel_on_the_nodes_tcp_control_port(node_factory, clients) -> None:
-    port = _free_port()
-    node = node_factory("--pool", "16MiB", "--peer-control-port", str(port))
+    port, node = on_a_free_port(lambda port: node_factory("--pool", "16MiB", "--peer-control-port", str(port)))
     hashes, data = await _stored(clients(node.address, local=False))
     reader = clients(node.address, local=False)
     await reader.connect()

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from cluster.etcd_process import free_port, start_etcd
+from cluster.etcd_process import start_etcd
 from cluster.process import NodeStartError
 from dkv.etcd import Layout, MemberRecord, make_client, prefix_end
 from dkv.keys import BlockKey
@@ -89,9 +89,9 @@ async def test_second_live_node_with_the_same_id_is_refused(etcd, node_factory) 
 
 async def test_a_node_killed_and_restarted_on_its_address_registers_again_at_once(etcd, view, node_factory,
                                                                                    clients) -> None:
-    listen = f"127.0.0.1:{free_port()}"
     ttl = 60  # far longer than any wait below: the restart must not wait out the dead node's lease
-    first = node_factory(*etcd.node_args("lazarus", ttl=ttl), listen=listen)
+    first = node_factory(*etcd.node_args("lazarus", ttl=ttl))  # port 0: a port picked first could be taken before
+    listen = first.address
     old_epoch = (await view.members())["lazarus"].epoch
     client = clients(first.address)
     hashes = await _write_chain(client, 2)

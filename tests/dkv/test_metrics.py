@@ -20,6 +20,7 @@ from dkv.metrics import NODE_METRICS
 from dkv.metrics_http import MAX_CONNECTIONS
 from dkv.wire import PROTOCOL_VERSION
 from tests.conftest import WAIT_BOUND, node_stats
+from tests.ports import on_a_free_port
 from tests.prometheus import Scrape, scrape
 
 BLOCK = 4096
@@ -151,42 +152,45 @@ async def test_every_declared_family_is_exported_with_etcd_and_follows_the_conve
     assert get(metrics, "/healthz").json() == {"status": "ok"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_readyz_is_503_while_the_node_cannot_register_in_etcd(tmp_path: Path) -> None:
     """An etcd that accepts connections and never answers: the node is alive (/healthz) but not ready (/readyz)."""
     black_hole = socket.socket()
     black_hole.bind(("127.0.0.1", 0))
     black_hole.listen(1)  # never accepted: gRPC's calls wait out their deadline
-    metrics = f"127.0.0.1:{_free_port()}"
     node_id = f"unready-{os.urandom(3).hex()}"
-    cmd = [sys.executable, "-m", "dkv.cli", "serve", "--listen", "127.0.0.1:0", "--pool", "16MiB",
-           "--node-id", node_id, "--etcd", f"http://127.0.0.1:{black_hole.getsockname()[1]}",
-           "--metrics-listen", metrics, "--exit-with-parent"]
-    with open(tmp_path / "node.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    try:
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(port: int) -> tuple[subprocess.Popen[bytes], httpx.Response]:
+        """The node serving metrics on ``port`` and its first /healthz; raises with its log if it exits."""
+        cmd = [sys.executable, "-m", "dkv.cli", "serve", "--listen", "127.0.0.1:0", "--pool", "16MiB",
+               "--node-id", node_id, "--etcd", f"http://127.0.0.1:{black_hole.getsockname()[1]}",
+               "--metrics-listen", f"127.0.0.1:{port}", "--exit-with-parent"]
+        with open(tmp_path / "node.log", "wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        started.append(proc)
         deadline = time.monotonic() + WAIT_BOUND
         while True:
-            assert proc.poll() is None, (tmp_path / "node.log").read_text()
+            if proc.poll() is not None:
+                raise AssertionError((tmp_path / "node.log").read_text())
             try:
-                health = get(metrics, "/healthz")
-                break
+                return proc, get(f"127.0.0.1:{port}", "/healthz")
             except httpx.TransportError:
                 assert time.monotonic() < deadline, "the metrics endpoint never answered"
                 time.sleep(0.05)
+
+    try:
+        port, (proc, health) = on_a_free_port(start)
+        metrics = f"127.0.0.1:{port}"
+        assert proc.poll() is None, (tmp_path / "node.log").read_text()
         assert health.status_code == 200 and health.json() == {"status": "ok"}
         ready = get(metrics, "/readyz")
         assert ready.status_code == 503, ready.text
         assert ready.json()["status"] == "not ready" and "etcd" in ready.json()["reason"]
         assert scrape(metrics).value("dkv_node_ready") == 0
     finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
+        for proc in started:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
         black_hole.close()
         for name in os.listdir("/dev/shm"):
             if name.startswith(f"dkv-{node_id}-"):  # this node's own arena and credential files (unique id)
