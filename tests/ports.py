@@ -9,7 +9,7 @@ is the port given.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from cluster.etcd_process import free_port
@@ -29,6 +29,24 @@ def on_a_free_port(start: Callable[[int], T], *, attempts: int = ATTEMPTS) -> tu
         try:
             return port, start(port)
         except Exception as exc:
-            if "in use" not in str(exc) or attempt == attempts - 1:
+            if not _pick_again(exc, attempt, attempts):
                 raise
     raise AssertionError("unreachable")
+
+
+async def on_a_free_port_awaited(start: Callable[[int], Awaitable[T]], *,
+                                 attempts: int = ATTEMPTS) -> tuple[int, T]:
+    """:func:`on_a_free_port` for a ``start`` that is awaited (a whole async test body, say)."""
+    for attempt in range(attempts):
+        port = free_port()
+        try:
+            return port, await start(port)
+        except Exception as exc:
+            if not _pick_again(exc, attempt, attempts):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _pick_again(exc: Exception, attempt: int, attempts: int) -> bool:
+    """Whether ``exc`` says the port was taken and another attempt is left."""
+    return "in use" in str(exc) and attempt < attempts - 1

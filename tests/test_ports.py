@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from tests.ports import on_a_free_port
+from tests.ports import on_a_free_port, on_a_free_port_awaited
 
 
 def _bind(port: int) -> socket.socket:
@@ -45,3 +45,22 @@ def test_any_other_failure_and_the_last_clash_go_to_the_caller() -> None:
     with pytest.raises(RuntimeError, match="in use"):
         on_a_free_port(always_taken, attempts=3)
     assert len(calls) == 3
+
+
+async def test_an_awaited_start_is_picked_again_the_same_way() -> None:
+    tried: list[int] = []
+
+    async def start(port: int) -> str:
+        tried.append(port)
+        if len(tried) < 3:
+            raise RuntimeError(f"etcd did not start: listen tcp 127.0.0.1:{port}: bind: address already in use")
+        return "started"
+
+    port, started = await on_a_free_port_awaited(start)
+    assert started == "started" and len(tried) == 3 and port == tried[-1]
+    with pytest.raises(KeyError):
+        await on_a_free_port_awaited(lambda port: _raise(KeyError(port)))
+
+
+async def _raise(exc: Exception) -> None:
+    raise exc

@@ -25,10 +25,11 @@ from typing import Any
 import httpx
 import pytest
 
-from cluster.etcd_process import EtcdProcess, free_port, start_etcd
+from cluster.etcd_process import EtcdProcess, start_etcd
 from cluster.process import stop_process
 from dkv.hints import parse_hint
 from dkv.keys import BlockKey
+from tests.ports import on_a_free_port_awaited
 
 NS = "test/ns0"  # the clients fixture's namespace
 WAIT = 20.0  # generous bound for anything that goes through etcd
@@ -347,26 +348,31 @@ async def test_openapi_document_states_both_route_endpoints_and_their_bodies(etc
 
 
 async def test_readyz_waits_for_the_snapshot_and_v1_answers_503_until_then(tmp_path) -> None:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    etcd_proc: EtcdProcess | None = None
-    try:
-        with router_service(tmp_path, "--etcd", url, "--etcd-prefix", "/dkv-ready") as service:
-            async with http(service) as api:
-                assert (await api.get("/healthz")).status_code == 200
-                not_ready = await api.get("/readyz")
-                assert not_ready.status_code == 503 and "no snapshot" in not_ready.json()["reason"], not_ready.text
-                early = await api.post("/v1/route", json={"namespace": NS, "hashes": ["00" * 8]})
-                assert early.status_code == 503 and early.json()["error"] == "not_ready", early.text
-                assert _metrics((await api.get("/metrics")).text)["dkv_router_ready"] == 0
+    async def router_before_etcd(port: int) -> None:
+        """The router told of an etcd on ``port`` that starts later (raises, saying so, if the port was taken)."""
+        url = f"http://127.0.0.1:{port}"
+        etcd_proc: EtcdProcess | None = None
+        workdir = tmp_path / str(port)
+        workdir.mkdir()
+        try:
+            with router_service(workdir, "--etcd", url, "--etcd-prefix", "/dkv-ready") as service:
+                async with http(service) as api:
+                    assert (await api.get("/healthz")).status_code == 200
+                    not_ready = await api.get("/readyz")
+                    assert not_ready.status_code == 503 and "no snapshot" in not_ready.json()["reason"], not_ready.text
+                    early = await api.post("/v1/route", json={"namespace": NS, "hashes": ["00" * 8]})
+                    assert early.status_code == 503 and early.json()["error"] == "not_ready", early.text
+                    assert _metrics((await api.get("/metrics")).text)["dkv_router_ready"] == 0
 
-                etcd_proc = start_etcd(client_port=port)
-                await _until(lambda: api.get("/readyz"), lambda r: r.status_code == 200, "ready once etcd is up")
-                assert (await api.post("/v1/route", json={"namespace": NS, "hashes": ["00" * 8]})).status_code == 200
-                assert _metrics((await api.get("/metrics")).text)["dkv_router_ready"] == 1
-    finally:
-        if etcd_proc is not None:
-            etcd_proc.stop()
+                    etcd_proc = start_etcd(client_port=port)  # a port taken meanwhile: "address already in use"
+                    await _until(lambda: api.get("/readyz"), lambda r: r.status_code == 200, "ready once etcd is up")
+                    assert (await api.post("/v1/route", json={"namespace": NS, "hashes": ["00" * 8]})).status_code == 200
+                    assert _metrics((await api.get("/metrics")).text)["dkv_router_ready"] == 1
+        finally:
+            if etcd_proc is not None:
+                etcd_proc.stop()
+
+    await on_a_free_port_awaited(router_before_etcd)
 
 
 # ---- etcd restarts ----------------------------------------------------------------------------------
