@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import gc
 import hashlib
+import inspect
 import os
 import platform
 import random
@@ -91,6 +93,39 @@ def interleaved_rounds(contenders: dict[str, Callable[[], list[int]]], rounds: i
             if round_no:
                 samples[name] += got
     return samples
+
+
+@contextlib.contextmanager
+def timed_methods(targets: list[tuple[type, str]], into: dict[str, list[float]]) -> Iterator[None]:
+    """Wrap each ``cls.name`` (plain or async) so that every call's seconds go into ``into["Cls.name"]``."""
+    saved = []
+    for cls, name in targets:
+        original = cls.__dict__[name]
+        label = f"{cls.__name__}.{name}"
+        samples = into.setdefault(label, [])
+        if inspect.iscoroutinefunction(original):
+            @functools.wraps(original)
+            async def wrapper(*a: Any, _f: Any = original, _s: list[float] = samples, **k: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return await _f(*a, **k)
+                finally:
+                    _s.append(time.perf_counter() - t0)
+        else:
+            @functools.wraps(original)
+            def wrapper(*a: Any, _f: Any = original, _s: list[float] = samples, **k: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return _f(*a, **k)
+                finally:
+                    _s.append(time.perf_counter() - t0)
+        saved.append((cls, name, original))
+        setattr(cls, name, wrapper)
+    try:
+        yield
+    finally:
+        for cls, name, original in saved:
+            setattr(cls, name, original)
 
 
 def chained_hashes(n: int) -> list[bytes]:

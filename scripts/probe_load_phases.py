@@ -50,15 +50,12 @@ Usage: probe_load_phases.py [--blocks 256] [--block-size 64KiB] [--rounds 30] [-
 from __future__ import annotations
 
 import argparse
-import functools
 import hashlib
-import inspect
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,39 +65,6 @@ LEAF = "a"
 PAGE = 4096
 TIMEOUT = 30.0
 WARMUP = 3
-
-
-@contextmanager
-def timed_methods(targets: list[tuple[type, str]], into: dict[str, list[float]]) -> Iterator[None]:
-    """Wrap each ``cls.name`` (plain or async) so that every call's seconds go into ``into["Cls.name"]``."""
-    saved = []
-    for cls, name in targets:
-        original = cls.__dict__[name]
-        label = f"{cls.__name__}.{name}"
-        samples = into.setdefault(label, [])
-        if inspect.iscoroutinefunction(original):
-            @functools.wraps(original)
-            async def wrapper(*a: Any, _f: Any = original, _s: list[float] = samples, **k: Any) -> Any:
-                t0 = time.perf_counter()
-                try:
-                    return await _f(*a, **k)
-                finally:
-                    _s.append(time.perf_counter() - t0)
-        else:
-            @functools.wraps(original)
-            def wrapper(*a: Any, _f: Any = original, _s: list[float] = samples, **k: Any) -> Any:
-                t0 = time.perf_counter()
-                try:
-                    return _f(*a, **k)
-                finally:
-                    _s.append(time.perf_counter() - t0)
-        saved.append((cls, name, original))
-        setattr(cls, name, wrapper)
-    try:
-        yield
-    finally:
-        for cls, name, original in saved:
-            setattr(cls, name, original)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     import torch
 
-    from bench_common import scheduler_step
+    from bench_common import scheduler_step, timed_methods
     from bench_common import wait_done as wait_until_done
     from cluster.process import start_node
     from connector.dkv_connector import DKVConnector

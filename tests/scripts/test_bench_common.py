@@ -1,4 +1,4 @@
-"""``scripts/bench_common.py``: the order in which a benchmark's round runs its contenders."""
+"""``scripts/bench_common.py``: the order in which a benchmark's round runs its contenders, and the method timer."""
 
 from __future__ import annotations
 
@@ -52,3 +52,31 @@ def test_no_contender_always_follows_the_same_one_as_it_did_rotated(bench_common
     shuffled = predecessors(bench_common.round_order, QUICK_ROUNDS)
     for name in CONTENDERS:
         assert len(shuffled[name]) >= 3, (name, shuffled[name])
+
+
+class _Timed:
+    def plain(self, x: int) -> int:
+        return x + 1
+
+    async def awaited(self, x: int) -> int:
+        return x * 2
+
+    def fails(self) -> None:
+        raise ValueError("as it always did")
+
+
+def test_timed_methods_times_plain_and_async_calls_and_puts_the_methods_back(bench_common: ModuleType) -> None:
+    import asyncio
+
+    originals = {name: _Timed.__dict__[name] for name in ("plain", "awaited", "fails")}
+    into: dict[str, list[float]] = {}
+    with bench_common.timed_methods([(_Timed, name) for name in originals], into):
+        timed = _Timed()
+        assert timed.plain(1) == 2 and asyncio.run(timed.awaited(3)) == 6
+        with pytest.raises(ValueError, match="as it always did"):
+            timed.fails()  # a call that raises is timed too, and raises as before
+        assert timed.plain(2) == 3
+    assert {label: len(samples) for label, samples in into.items()} == {
+        "_Timed.plain": 2, "_Timed.awaited": 1, "_Timed.fails": 1}
+    assert all(seconds >= 0 for samples in into.values() for seconds in samples)
+    assert {name: _Timed.__dict__[name] for name in originals} == originals, "every method is put back"
