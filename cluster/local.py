@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,6 +45,8 @@ METRICS_PORT = 9420  # a node's /metrics, /healthz, /readyz (``dkv serve --metri
 ROUTER_PORT = 7430  # the router service (``dkv router serve``)
 STOP_TIMEOUT = 10.0
 READY_TIMEOUT = 60.0
+ETCD_CLIENT_PORT, ETCD_PEER_PORT = 2379, 2380  # etcd's in its own network namespace (up --netns)
+ETCD_PORT_ATTEMPTS = 5  # etcd started on ports picked free, again on others while it finds one taken
 ETCD_TLS_DIR = "etcd-tls"  # CA, etcd's and the clients' certificates (up --etcd-tls)
 ETCD_USER = "dkv"  # the nodes' etcd user (up --etcd-auth), allowed ETCD_AUTH_PREFIX only
 ETCD_AUTH_PREFIX = "/dkv/"
@@ -213,6 +216,66 @@ def _spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subp
                                 start_new_session=True, env={**os.environ, **(env or {})})
 
 
+def _spawn_etcd_on_free_ports(command: Callable[[int, int], list[str]], log: Path, data_dir: Path,
+                              ready_timeout: float) -> tuple[subprocess.Popen[bytes], int]:
+    """etcd on client and peer ports free when picked; ``(process, client port)`` once it listens on both.
+
+    A port free when picked can be taken by another process before etcd
+    binds it (the machine runs other work); etcd then exits saying so, and it
+    is started again on other ports, on a fresh ``data_dir``, up to
+    :data:`ETCD_PORT_ATTEMPTS` times.
+    Any other exit, or etcd not listening within ``ready_timeout``, raises
+    ``RuntimeError`` with what etcd logged (a process still running is killed).
+    """
+    for attempt in range(1, ETCD_PORT_ATTEMPTS + 1):
+        client_port, peer_port = free_port(), free_port()
+        logged = log.stat().st_size if log.exists() else 0
+        proc = _spawn(command(client_port, peer_port), log)
+        deadline = time.monotonic() + ready_timeout
+        while proc.poll() is None and not _etcd_listens(proc.pid, (client_port, peer_port)):
+            if time.monotonic() > deadline:
+                _stop_pid(proc.pid)
+                raise RuntimeError(f"etcd did not listen on ports {client_port} and {peer_port} within "
+                                   f"{ready_timeout:.0f}s:\n{_log_since(log, logged)}")
+            time.sleep(0.05)
+        if proc.poll() is None:
+            return proc, client_port
+        said = _log_since(log, logged)
+        if "address already in use" not in said or attempt == ETCD_PORT_ATTEMPTS:
+            raise RuntimeError(f"etcd exited with {proc.returncode} (attempt {attempt} of {ETCD_PORT_ATTEMPTS}):\n"
+                               f"{said}")
+        shutil.rmtree(data_dir, ignore_errors=True)  # (a member named for the ports that failed must not remain)
+    raise AssertionError("unreachable")
+
+
+def _etcd_listens(pid: int, ports: tuple[int, ...]) -> bool:
+    """Whether process ``pid`` holds a listening TCP socket on each of ``ports`` (``/proc``: its own, not another's)."""
+    try:
+        inodes = {os.readlink(f"/proc/{pid}/fd/{fd}")[len("socket:["):-1]
+                  for fd in os.listdir(f"/proc/{pid}/fd")}
+    except OSError:  # it exited meanwhile
+        return False
+    listening: set[int] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # state LISTEN, one of its sockets
+                listening.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return all(port in listening for port in ports)
+
+
+def _log_since(log: Path, offset: int) -> str:
+    """The end of what ``log`` got past ``offset`` (this attempt's lines)."""
+    try:
+        return log.read_bytes()[offset:].decode(errors="replace")[-1500:]
+    except OSError:
+        return ""
+
+
 def up(directory: str | Path, nodes: int = 3, *, pool: str = "256MiB", cluster: str = DEFAULT_CLUSTER,
        ready_timeout: float = READY_TIMEOUT, extra_node_args: tuple[str, ...] = (),
        netns: bool = False, etcd_tls: bool = False, etcd_auth: bool = False) -> ClusterRecord:
@@ -239,11 +302,12 @@ def up(directory: str | Path, nodes: int = 3, *, pool: str = "256MiB", cluster: 
     layout = NetnsLayout.new(["etcd", *node_ids, "client"]) if netns else None
     if layout is not None:
         layout.create()
-        etcd_host, client_port, peer_port = layout.address("etcd"), 2379, 2380
+        etcd_host = layout.address("etcd")
     else:
-        etcd_host, client_port, peer_port = "127.0.0.1", free_port(), free_port()
+        etcd_host = "127.0.0.1"
+    scheme = "https" if etcd_tls else "http"
     etcd_data = directory / "etcd-data"
-    etcd_url = f"{'https' if etcd_tls else 'http'}://{etcd_host}:{client_port}"
+    etcd_url = f"{scheme}://{etcd_host}:{ETCD_CLIENT_PORT}" if layout else ""  # (off a namespace: once etcd listens)
     record = ClusterRecord(str(directory), cluster, etcd_url, 0, str(etcd_data), started_at=time.time(),
                            netns=asdict(layout) if layout else None)
     record.save()
@@ -255,14 +319,21 @@ def up(directory: str | Path, nodes: int = 3, *, pool: str = "256MiB", cluster: 
             record.etcd_security = {"ca_file": str(certs.ca), "cert_file": str(certs.client_cert),
                                     "key_file": str(certs.client_key)}
             record.save()
-        etcd = _spawn([*(layout.exec_prefix("etcd") if layout else []), binary, "--name", "dkv",
-                       "--data-dir", str(etcd_data),
-                       "--listen-client-urls", etcd_url, "--advertise-client-urls", etcd_url,
-                       "--listen-peer-urls", f"http://{etcd_host}:{peer_port}",
-                       "--initial-advertise-peer-urls", f"http://{etcd_host}:{peer_port}",
-                       "--initial-cluster", f"dkv=http://{etcd_host}:{peer_port}", "--log-level", "warn",
-                       *etcd_tls_args(certs)],
-                      directory / "etcd.log")
+
+        def etcd_command(client_port: int, peer_port: int) -> list[str]:
+            url, peer = f"{scheme}://{etcd_host}:{client_port}", f"http://{etcd_host}:{peer_port}"
+            return [*(layout.exec_prefix("etcd") if layout else []), binary, "--name", "dkv",
+                    "--data-dir", str(etcd_data), "--listen-client-urls", url, "--advertise-client-urls", url,
+                    "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                    "--initial-cluster", f"dkv={peer}", "--log-level", "warn", *etcd_tls_args(certs)]
+
+        if layout is not None:  # its own network namespace: the usual ports are its alone
+            etcd = _spawn(etcd_command(ETCD_CLIENT_PORT, ETCD_PEER_PORT), directory / "etcd.log")
+        else:
+            etcd, client_port = _spawn_etcd_on_free_ports(etcd_command, directory / "etcd.log", etcd_data,
+                                                          ready_timeout)
+            record.etcd_url = f"{scheme}://{etcd_host}:{client_port}"
+        etcd_url = record.etcd_url
         record.etcd_pid = etcd.pid
         record.save()
         if etcd_auth:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from cluster import local
 from cluster.process import pid_alive
 
 
@@ -97,3 +99,55 @@ def test_cluster_up_without_etcd_names_the_package(tmp_path: Path, missing: str)
     result = subprocess.run([sys.executable, "-m", "dkv.cli", "cluster", "up", "--dir", str(tmp_path / "c")],
                             capture_output=True, text=True, timeout=60, env=env)
     assert result.returncode == 2 and "etcd-server" in result.stderr
+
+
+# ---- etcd's ports ---------------------------------------------------------------------------------
+
+
+def test_a_port_taken_before_etcd_binds_it_costs_a_second_pick_not_the_cluster(tmp_path: Path, monkeypatch) -> None:
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen(1)  # another process's listener on the port the first pick names
+    taken = held.getsockname()[1]
+    picks = iter([taken])
+    real = local.free_port
+    monkeypatch.setattr(local, "free_port", lambda host="127.0.0.1": next(picks, None) or real(host))
+    directory = tmp_path / "c"
+    try:
+        record = local.up(directory, nodes=1, pool="16MiB")
+        try:
+            assert not record.etcd_url.endswith(f":{taken}") and record.etcd_url.startswith("http://127.0.0.1:")
+            assert "address already in use" in (directory / "etcd.log").read_text(), "the first etcd found it taken"
+            info = local.status(directory)
+            assert info["etcd"]["alive"] and all(n["alive"] and n["registered"] for n in info["nodes"]), info
+        finally:
+            local.down(directory)
+    finally:
+        held.close()
+
+
+def _start_fake_etcd(tmp_path: Path, script: str, timeout: float = 30.0) -> tuple[object, int]:
+    """:func:`cluster.local._spawn_etcd_on_free_ports` with a stand-in for etcd that runs ``script``."""
+    return local._spawn_etcd_on_free_ports(  # noqa: SLF001 - the start's own failure handling
+        lambda client, peer: [sys.executable, "-c", script], tmp_path / "etcd.log", tmp_path / "data", timeout)
+
+
+def test_an_etcd_that_exits_for_another_reason_is_not_started_again(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match=r"exited with 3 \(attempt 1 of 5\):\n.*unknown flag"):
+        _start_fake_etcd(tmp_path, "import sys; print('unknown flag: --bogus', flush=True); sys.exit(3)")
+
+
+def test_an_etcd_that_finds_every_pick_taken_gives_up_after_its_attempts(tmp_path: Path) -> None:
+    (tmp_path / "data").mkdir()
+    with pytest.raises(RuntimeError, match=r"exited with 1 \(attempt 5 of 5\)"):
+        _start_fake_etcd(tmp_path, "print('listen tcp: bind: address already in use', flush=True); raise SystemExit(1)")
+    assert (tmp_path / "etcd.log").read_text().count("address already in use") == local.ETCD_PORT_ATTEMPTS
+    assert not (tmp_path / "data").exists(), "each retry starts on a fresh data directory"
+
+
+def test_an_etcd_that_never_listens_is_stopped_and_said_so(tmp_path: Path) -> None:
+    marker = tmp_path / "pid"
+    script = f"import os, time; open({str(marker)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    with pytest.raises(RuntimeError, match=r"did not listen on ports \d+ and \d+ within 1s"):
+        _start_fake_etcd(tmp_path, script, timeout=1.0)
+    assert not pid_alive(int(marker.read_text())), "the process that never listened is stopped"
