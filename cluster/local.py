@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from cluster.etcd_process import etcd_binary, etcd_tls_args, free_port, make_certificates
 from cluster.netns import NETNS_ENV, NetnsLayout
+from cluster.process import listening_on
 
 if TYPE_CHECKING:
     from dkv.etcd import EtcdSettings
@@ -232,7 +233,7 @@ def _spawn_etcd_on_free_ports(command: Callable[[int, int], list[str]], log: Pat
         logged = log.stat().st_size if log.exists() else 0
         proc = _spawn(command(client_port, peer_port), log)
         deadline = time.monotonic() + ready_timeout
-        while proc.poll() is None and not _etcd_listens(proc.pid, (client_port, peer_port)):
+        while proc.poll() is None and not listening_on(proc.pid, (client_port, peer_port)):
             if time.monotonic() > deadline:
                 _stop_pid(proc.pid)
                 raise RuntimeError(f"etcd did not listen on ports {client_port} and {peer_port} within "
@@ -246,26 +247,6 @@ def _spawn_etcd_on_free_ports(command: Callable[[int, int], list[str]], log: Pat
                                f"{said}")
         shutil.rmtree(data_dir, ignore_errors=True)  # (a member named for the ports that failed must not remain)
     raise AssertionError("unreachable")
-
-
-def _etcd_listens(pid: int, ports: tuple[int, ...]) -> bool:
-    """Whether process ``pid`` holds a listening TCP socket on each of ``ports`` (``/proc``: its own, not another's)."""
-    try:
-        inodes = {os.readlink(f"/proc/{pid}/fd/{fd}")[len("socket:["):-1]
-                  for fd in os.listdir(f"/proc/{pid}/fd")}
-    except OSError:  # it exited meanwhile
-        return False
-    listening: set[int] = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if fields[3] == "0A" and fields[9] in inodes:  # state LISTEN, one of its sockets
-                listening.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return all(port in listening for port in ports)
 
 
 def _log_since(log: Path, offset: int) -> str:

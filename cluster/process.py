@@ -127,6 +127,36 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def listening_on(pid: int, ports: tuple[int, ...]) -> bool:
+    """Whether process ``pid`` holds a listening TCP socket on each of ``ports`` (read from ``/proc``).
+
+    Its own sockets, not whichever process answers on a port: a server
+    started on a port picked free is known to have it only this way (another
+    process may have bound it first, and the server is then about to exit).
+    """
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:  # it exited
+        return False
+    inodes = set()
+    for fd in fds:
+        with contextlib.suppress(OSError):  # (closed meanwhile: the listing's own descriptor, say)
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:["):
+                inodes.add(link[len("socket:["):-1])
+    listening: set[int] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # state LISTEN, one of its sockets
+                listening.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return all(port in listening for port in ports)
+
+
 def die_with_parent() -> None:
     """Linux: SIGKILL this process when its parent dies (kept across exec: usable as a preexec_fn).
 

@@ -124,6 +124,8 @@ LABELS = {
     "dkv_one_block_listener_busy": "dKV 1-block load, listener, caller busy in Python",
     "dkv_one_block_listener_busy_5ms": "the same at CPython's 5 ms switch interval",
 }
+REDIS_PORT_ATTEMPTS = 5  # redis-server started again on another port while the one picked is taken first
+REDIS_START_TIMEOUT = 15.0
 SETTLE_TIMEOUT = 2.0  # seconds a throughput contender waits at most for its node's directory changes to be flushed
 BUSY_WORK = bench_common.SCHEDULER_STEP_ADDITIONS  # a busy caller's Python between two polls
 
@@ -579,21 +581,37 @@ class Procs:
             self._sampling.wait(0.1)
 
     def start_redis(self) -> None:
+        """redis-server on a port picked free, again on another while one is taken before it binds (up to five)."""
+        from cluster.process import listening_on
+
         binary = shutil.which("redis-server")
         if binary is None:
             raise BenchError("redis-server is not on PATH: install it (Debian/Ubuntu: apt-get install redis-server; "
                              "scripts/run.sh setup does)")
-        self.redis_port = free_port()
         rdir = self.workdir / "redis"
         rdir.mkdir()
-        log(f"starting redis-server on port {self.redis_port}")
         setpriv = shutil.which("setpriv")  # util-linux: SIGKILL redis if this process dies (no preexec_fn in threads)
         wrap = [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
-        with open(rdir / "redis.log", "ab") as logf:
-            self.redis = subprocess.Popen(
-                [*wrap, binary, "--port", str(self.redis_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                 "--protected-mode", "no", "--daemonize", "no", "--dir", str(rdir)],
-                stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        for attempt in range(1, REDIS_PORT_ATTEMPTS + 1):
+            self.redis_port = free_port()
+            log(f"starting redis-server on port {self.redis_port}")
+            logged = (rdir / "redis.log").stat().st_size if (rdir / "redis.log").exists() else 0
+            with open(rdir / "redis.log", "ab") as logf:
+                self.redis = subprocess.Popen(
+                    [*wrap, binary, "--port", str(self.redis_port), "--bind", "127.0.0.1", "--save", "",
+                     "--appendonly", "no", "--protected-mode", "no", "--daemonize", "no", "--dir", str(rdir)],
+                    stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            deadline = time.monotonic() + REDIS_START_TIMEOUT
+            while self.redis.poll() is None and not listening_on(self.redis.pid, (self.redis_port,)):
+                if time.monotonic() > deadline:
+                    raise BenchError(f"redis-server did not listen on port {self.redis_port} within "
+                                     f"{REDIS_START_TIMEOUT:.0f} s")
+                time.sleep(0.02)
+            if self.redis.poll() is None:
+                return
+            said = (rdir / "redis.log").read_bytes()[logged:].decode(errors="replace")[-1500:]
+            if "already in use" not in said or attempt == REDIS_PORT_ATTEMPTS:
+                raise BenchError(f"redis-server exited with {self.redis.returncode}:\n{said}")
 
     def start_helper(self) -> None:
         portfile = self.workdir / "helper.json"

@@ -89,3 +89,32 @@ def test_a_line_past_its_bound_is_refused() -> None:
     finally:
         os.close(read_end)
         os.close(write_end)
+
+
+def test_listening_on_sees_only_the_process_own_listening_sockets() -> None:
+    import socket
+
+    from cluster.process import listening_on
+
+    mine, bound_only = socket.socket(), socket.socket()
+    mine.bind(("127.0.0.1", 0))
+    mine.listen(1)
+    bound_only.bind(("127.0.0.1", 0))  # bound, not listening
+    other = subprocess.Popen([sys.executable, "-c", "import socket, sys, time\n"
+                              "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(1)\n"
+                              "print(s.getsockname()[1], flush=True); time.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout is not None
+        theirs = int(other.stdout.readline())
+        port, idle = mine.getsockname()[1], bound_only.getsockname()[1]
+        assert listening_on(os.getpid(), (port,))
+        assert not listening_on(os.getpid(), (port, idle)), "a bound socket that does not listen does not count"
+        assert not listening_on(os.getpid(), (theirs,)), "another process's listener is not this one's"
+        assert listening_on(other.pid, (theirs,))
+    finally:
+        other.kill()
+        other.wait(10)
+        mine.close()
+        bound_only.close()
+    assert not listening_on(other.pid, (theirs,)), "a process that is gone listens on nothing"
