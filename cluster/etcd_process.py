@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cluster.process import listening_on
+
 if TYPE_CHECKING:
     from dkv.etcd import EtcdSettings
 
@@ -238,14 +240,6 @@ def etcd_tls_args(certificates: EtcdCertificates | None, client_cert_auth: bool 
             "--trusted-ca-file", str(certificates.ca), *(["--client-cert-auth"] if client_cert_auth else [])]
 
 
-def _ready(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=0.5):
-            return True
-    except OSError:
-        return False
-
-
 def start_etcd(
     *,
     data_dir: Path | None = None,
@@ -282,7 +276,7 @@ def start_etcd(
         etcd = EtcdProcess(proc, cport, pport, data_dir, log_path, host, certificates, client_cert_auth)
         deadline = time.monotonic() + ready_timeout
         while time.monotonic() < deadline and etcd.alive():
-            if _ready(host, cport):
+            if listening_on(proc.pid, (cport, pport)):  # its own sockets: a port taken first answers too
                 return etcd
             time.sleep(0.05)
         etcd.stop(keep_data=True)

@@ -1,0 +1,41 @@
+"""``cluster.etcd_process.start_etcd``: the etcd it returns is the one it started, listening on the ports it names."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from cluster import etcd_process
+from cluster.process import listening_on, pid_alive
+
+
+def test_a_port_taken_before_etcd_binds_it_is_picked_again_not_mistaken_for_etcd(monkeypatch) -> None:
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen(1)  # another process's listener: it answers a connect on the port the first pick names
+    taken = held.getsockname()[1]
+    picks = iter([taken])
+    real = etcd_process.free_port
+    monkeypatch.setattr(etcd_process, "free_port", lambda host="127.0.0.1": next(picks, None) or real(host))
+    etcd = None
+    try:
+        etcd = etcd_process.start_etcd()
+        assert etcd.client_port != taken and listening_on(etcd.proc.pid, (etcd.client_port, etcd.peer_port))
+        assert "address already in use" in etcd.log_path.read_text(), "the first etcd found the port taken"
+    finally:
+        if etcd is not None:
+            etcd.stop()
+        held.close()
+    assert not pid_alive(etcd.proc.pid)
+
+
+def test_fixed_ports_that_are_taken_are_an_error_that_shows_etcd_s_log() -> None:
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen(1)
+    try:
+        with pytest.raises(RuntimeError, match=r"(?s)did not start after 1 attempt.*address already in use"):
+            etcd_process.start_etcd(client_port=held.getsockname()[1])
+    finally:
+        held.close()
