@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -127,6 +128,25 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+TCP_LISTEN = "0A"  # a socket's state in /proc/net/tcp (include/net/tcp_states.h)
+
+
+def tcp_sockets() -> Iterator[tuple[int, str, str]]:
+    """``(local port, state, inode)`` of every TCP socket of this network namespace (``/proc/net/tcp`` and ``tcp6``).
+
+    The state is the kernel's two hex digits (:data:`TCP_LISTEN`, ...); a
+    socket no process owns any more (one closing, in TIME_WAIT) has inode "0".
+    """
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            yield int(fields[1].rsplit(":", 1)[1], 16), fields[3], fields[9]
+
+
 def listening_on(pid: int, ports: tuple[int, ...]) -> bool:
     """Whether process ``pid`` holds a listening TCP socket on each of ``ports`` (read from ``/proc``).
 
@@ -144,16 +164,7 @@ def listening_on(pid: int, ports: tuple[int, ...]) -> bool:
             link = os.readlink(f"/proc/{pid}/fd/{fd}")
             if link.startswith("socket:["):
                 inodes.add(link[len("socket:["):-1])
-    listening: set[int] = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if fields[3] == "0A" and fields[9] in inodes:  # state LISTEN, one of its sockets
-                listening.add(int(fields[1].rsplit(":", 1)[1], 16))
+    listening = {port for port, state, inode in tcp_sockets() if state == TCP_LISTEN and inode in inodes}
     return all(port in listening for port in ports)
 
 

@@ -8,26 +8,20 @@ import pytest
 
 from cluster import etcd_process
 from cluster.process import listening_on, pid_alive
+from tests.ports import first_pick_taken
 
 
 def test_a_port_taken_before_etcd_binds_it_is_picked_again_not_mistaken_for_etcd(monkeypatch) -> None:
-    held = socket.socket()
-    held.bind(("127.0.0.1", 0))
-    held.listen(1)  # another process's listener: it answers a connect on the port the first pick names
-    taken = held.getsockname()[1]
-    picks = iter([taken])
-    real = etcd_process.free_port
-    monkeypatch.setattr(etcd_process, "free_port", lambda host="127.0.0.1": next(picks, None) or real(host))
     etcd = None
     try:
-        etcd = etcd_process.start_etcd()
-        assert etcd.client_port != taken and listening_on(etcd.proc.pid, (etcd.client_port, etcd.peer_port))
-        assert "address already in use" in etcd.log_path.read_text(), "the first etcd found the port taken"
+        with first_pick_taken(monkeypatch, etcd_process) as taken:  # a connect on it reaches the listener held there
+            etcd = etcd_process.start_etcd()
+            assert etcd.client_port != taken and listening_on(etcd.proc.pid, (etcd.client_port, etcd.peer_port))
+            assert "address already in use" in etcd.log_path.read_text(), "the first etcd found the port taken"
     finally:
         if etcd is not None:
             etcd.stop()
-        held.close()
-    assert not pid_alive(etcd.proc.pid)
+    assert etcd is not None and not pid_alive(etcd.proc.pid)
 
 
 def test_fixed_ports_that_are_taken_are_an_error_that_shows_etcd_s_log() -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 
 from cluster import local
 from cluster.process import pid_alive
+from tests.ports import first_pick_taken
 
 
 def _dkv(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -105,15 +105,8 @@ def test_cluster_up_without_etcd_names_the_package(tmp_path: Path, missing: str)
 
 
 def test_a_port_taken_before_etcd_binds_it_costs_a_second_pick_not_the_cluster(tmp_path: Path, monkeypatch) -> None:
-    held = socket.socket()
-    held.bind(("127.0.0.1", 0))
-    held.listen(1)  # another process's listener on the port the first pick names
-    taken = held.getsockname()[1]
-    picks = iter([taken])
-    real = local.free_port
-    monkeypatch.setattr(local, "free_port", lambda host="127.0.0.1": next(picks, None) or real(host))
     directory = tmp_path / "c"
-    try:
+    with first_pick_taken(monkeypatch, local) as taken:
         record = local.up(directory, nodes=1, pool="16MiB")
         try:
             assert not record.etcd_url.endswith(f":{taken}") and record.etcd_url.startswith("http://127.0.0.1:")
@@ -122,8 +115,6 @@ def test_a_port_taken_before_etcd_binds_it_costs_a_second_pick_not_the_cluster(t
             assert info["etcd"]["alive"] and all(n["alive"] and n["registered"] for n in info["nodes"]), info
         finally:
             local.down(directory)
-    finally:
-        held.close()
 
 
 def _start_fake_etcd(tmp_path: Path, script: str, timeout: float = 30.0) -> tuple[object, int]:

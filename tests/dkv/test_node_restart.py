@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.process import NodeStartError, start_node
+from cluster.process import NodeStartError, start_node, tcp_sockets
 from dkv.keys import BlockKey
 
 # TCP states (include/net/tcp_states.h) in which a socket still holds its local port after its
@@ -19,17 +19,8 @@ _CLOSING_STATES = {"04": "FIN_WAIT1", "05": "FIN_WAIT2", "06": "TIME_WAIT", "09"
 
 def _port_held_by(port: int) -> list[str]:
     """The closing states of the TCP sockets whose local port is ``port`` (no process owns them)."""
-    held = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] in _CLOSING_STATES:
-                held.append(_CLOSING_STATES[fields[3]])
-    return held
+    return [_CLOSING_STATES[state] for local, state, _inode in tcp_sockets()
+            if local == port and state in _CLOSING_STATES]
 
 
 def _leave_time_wait_on(port: int) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from cluster.process import pid_alive
+from tests.ports import first_pick_taken
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "bench.py"
@@ -87,26 +88,17 @@ def test_bench_smoke(tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 def test_the_bench_starts_redis_on_another_port_when_the_one_it_picked_was_taken_first(tmp_path: Path,
                                                                                         monkeypatch) -> None:
-    import socket
-
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     bench = importlib.import_module("bench")
-    held = socket.socket()
-    held.bind(("127.0.0.1", 0))
-    held.listen(1)  # another process's listener on the port the first pick names
-    taken = held.getsockname()[1]
-    picks = iter([taken])
-    real = bench.free_port
-    monkeypatch.setattr(bench, "free_port", lambda: next(picks, None) or real())
     procs = bench.Procs(tmp_path)
     try:
-        procs.start_redis()
-        assert procs.redis_port != taken and "already in use" in (tmp_path / "redis" / "redis.log").read_text()
-        assert pid_alive(procs.redis.pid)
-        client = bench.RedisBench(procs.redis_port)  # the server the bench measures is the one it started
-        assert client.r.ping()
-        client.close()
+        with first_pick_taken(monkeypatch, bench) as taken:
+            procs.start_redis()
+            assert procs.redis_port != taken and "already in use" in (tmp_path / "redis" / "redis.log").read_text()
+            assert pid_alive(procs.redis.pid)
+            client = bench.RedisBench(procs.redis_port)  # the server the bench measures is the one it started
+            assert client.r.ping()
+            client.close()
     finally:
         procs.stop_all()
-        held.close()
         sys.modules.pop("bench", None)
