@@ -251,12 +251,20 @@ def start_etcd(
     certificates: EtcdCertificates | None = None,
     client_cert_auth: bool = True,
 ) -> EtcdProcess:
-    """Start a single-member etcd and wait until its client port answers.
+    """Start a single-member etcd and wait until it listens on its client and peer ports.
+
+    Ports not given are picked free, and picked again (up to five times) when
+    etcd does not come up on them: another process may take a picked port
+    before etcd binds it. etcd counts as up only once its own process holds
+    both listening sockets (:func:`cluster.process.listening_on`). If it never
+    does, ``RuntimeError`` carries the end of its log, and the data directory
+    and log this call made are removed.
 
     With ``certificates`` the client port serves TLS only (``https://``), and with
     ``client_cert_auth`` etcd refuses a client without a certificate its CA signed.
     """
     binary = etcd_binary()
+    made_dir, made_log = data_dir is None, log_path is None
     data_dir = Path(data_dir or tempfile.mkdtemp(prefix="dkv-etcd-", dir="/dev/shm"))
     log_path = Path(log_path or data_dir.with_suffix(".log"))
     for attempt in range(5):
@@ -283,4 +291,8 @@ def start_etcd(
         if client_port is not None:
             break  # fixed ports: nothing to retry with
     tail = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
+    if made_dir:
+        shutil.rmtree(data_dir, ignore_errors=True)
+    if made_log:
+        log_path.unlink(missing_ok=True)
     raise RuntimeError(f"etcd did not start after {attempt + 1} attempt(s):\n{tail}")

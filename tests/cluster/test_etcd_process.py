@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -24,7 +25,15 @@ def test_a_port_taken_before_etcd_binds_it_is_picked_again_not_mistaken_for_etcd
     assert etcd is not None and not pid_alive(etcd.proc.pid)
 
 
-def test_fixed_ports_that_are_taken_are_an_error_that_shows_etcd_s_log() -> None:
+def test_fixed_ports_that_are_taken_are_an_error_that_shows_etcd_s_log_and_leaves_nothing(tmp_path: Path,
+                                                                                          monkeypatch) -> None:
+    made = tmp_path / "dkv-etcd-made"  # where the start's own data directory (and, beside it, its log) go
+
+    def mkdtemp(**_kwargs: object) -> str:
+        made.mkdir()
+        return str(made)
+
+    monkeypatch.setattr(etcd_process.tempfile, "mkdtemp", mkdtemp)
     held = socket.socket()
     held.bind(("127.0.0.1", 0))
     held.listen(1)
@@ -33,3 +42,4 @@ def test_fixed_ports_that_are_taken_are_an_error_that_shows_etcd_s_log() -> None
             etcd_process.start_etcd(client_port=held.getsockname()[1])
     finally:
         held.close()
+    assert not made.exists() and not made.with_suffix(".log").exists(), "a start that failed leaves no etcd files"
