@@ -65,7 +65,6 @@ import logging
 import operator
 import struct
 import time
-from array import array
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -765,10 +764,7 @@ class Store:
         for block in held:
             self._pin(block)
         owner = reader if reader is not None else lease_owner
-        read = Read(next(self._ids), owner, held, self.clock() + self.read_ttl)
-        self.reads[read.read_id] = read
-        self._owner_reads.setdefault(owner, {})[read.read_id] = None
-        self._schedule_expiry(read.expires_at, _READ, read.read_id)
+        read = self._open_read(owner, held)
         picked = held if distinct is at else list(map(blocks.__getitem__, at))
         if uses is None:
             self._stamp_blocks(held, list(map(depths.__getitem__, distinct)))
@@ -776,6 +772,14 @@ class Store:
             uses.append((held, list(map(depths.__getitem__, distinct))))
         return ReadPlan(read.read_id, [b.offset for b in picked], [b.size for b in picked],
                         [b.checksum for b in picked])
+
+    def _open_read(self, owner: str, blocks: list[Block]) -> Read:
+        """A new read of ``blocks`` (already pinned for it) by connection ``owner``, on the books with its TTL."""
+        read = Read(next(self._ids), owner, blocks, self.clock() + self.read_ttl)
+        self.reads[read.read_id] = read
+        self._owner_reads.setdefault(owner, {})[read.read_id] = None
+        self._schedule_expiry(read.expires_at, _READ, read.read_id)
+        return read
 
     def lease_into_read(self, lease_id: int, lease_owner: str, *, reader: str, max_bytes: int) -> ReadPlan | None:
         """End lease ``lease_id`` by handing its pins to a read of every block it holds, in the order it found them.
@@ -800,10 +804,7 @@ class Store:
         if sum(sizes) > max_bytes or None in sums:
             return None
         self._drop_lease(lease)  # (its pins stay: they are the read's now)
-        read = Read(next(self._ids), reader, blocks, self.clock() + self.read_ttl)
-        self.reads[read.read_id] = read
-        self._owner_reads.setdefault(reader, {})[read.read_id] = None
-        self._schedule_expiry(read.expires_at, _READ, read.read_id)
+        read = self._open_read(reader, blocks)
         if len(set(map(id, blocks))) == len(blocks):
             self._stamp_blocks(blocks, lease.depths)
         else:  # each once, at its last place (as begin_read stamps a key the lease holds twice)
