@@ -48,7 +48,7 @@ from dkv.checksum import CHECKSUM_SIZE, block_checksum, block_prefixes, is_check
 from dkv.checksum import verify as checksum_matches
 from dkv.copy_threads import ChunkedCopy, PostedCopy
 from dkv.credentials import read_local_credential
-from dkv.direct_channel import ChannelBusy, ChannelClosed, DirectChannel
+from dkv.direct_channel import ChannelBusy, ChannelClosed, DirectChannel, PendingReply
 from dkv.errors import (
     AuthError,
     ChecksumMismatch,
@@ -214,6 +214,70 @@ class _Session:
         if ends:
             message = {**message, "ends": ends}
         await self.conn.send_message(message, timeout)
+
+
+@dataclass(frozen=True)
+class _DirectLookup:
+    """A leased lookup asked over the direct channel: what judging its answer needs."""
+
+    direct: _Session
+    channel: DirectChannel
+    message: dict[str, Any]
+    mapping: SegmentMapping | None
+    ends: list[int]
+    sent_at: float
+
+
+class PendingLookup:
+    """A leased lookup sent over the direct channel, its answer read by :meth:`poll` (see :meth:`NodeClient.start_lookup_direct`).
+
+    :meth:`poll` (any thread, never blocks) answers ``None`` until the
+    answer is whole, then the :class:`LookupResult` (the same one every time
+    after), judged and kept as :meth:`NodeClient.lookup_direct` does; it
+    raises what that would raise, every time after too. :meth:`abort`
+    settles it failed (the channel closed) unless it settled already.
+    """
+
+    def __init__(self, client: NodeClient, asked: _DirectLookup, pending: PendingReply) -> None:
+        self._client = client
+        self._asked = asked
+        self._pending = pending
+        self._result: LookupResult | None = None
+        self._failure: BaseException | None = None
+        self._judging = threading.Lock()
+
+    def poll(self) -> LookupResult | None:
+        """Any thread: the lookup's result once its answer is whole, else ``None``; raises the lookup's failure."""
+        if self._result is None and self._failure is None and self._judging.acquire(blocking=False):
+            try:
+                if self._result is None and self._failure is None:
+                    self._judge()
+            finally:
+                self._judging.release()
+        if self._failure is not None:
+            raise self._failure
+        return self._result
+
+    def abort(self) -> None:
+        """Settle it failed, closing the channel (nothing once it settled)."""
+        self._pending.abort()
+        if self._asked.channel.closed:
+            self._client._lost(self._asked.direct)  # noqa: SLF001 - the client's own session
+
+    def _judge(self) -> None:
+        client = self._client
+        try:
+            got = self._pending.poll()
+        except Exception as exc:  # noqa: BLE001 - kept, raised by this poll and every later one
+            client._direct_failed(self._asked, exc)  # noqa: SLF001
+            self._failure = exc
+            return
+        if got is None:
+            return
+        try:
+            self._result = client._direct_answer(self._asked, *got)  # noqa: SLF001
+        except Exception as exc:  # noqa: BLE001 - an error reply, or blocks that do not match the request
+            self._failure = exc
 
 
 async def handshake(conn: Connection, namespace: str, *, secret: bytes | None = None, tenant: str | None = None,
@@ -1004,6 +1068,37 @@ class NodeClient:
         :class:`~dkv.errors.OpTimeout` (the node is hung), a
         :class:`~dkv.errors.ProtocolError` or a :class:`~dkv.errors.RemoteError`.
         """
+        asked = self._direct_lookup(hashes, leaves, shards, group, send)
+        try:
+            reply, payload = asked.channel.exchange_with(asked.message, self.timeout, asked.message.get("send", 0))
+        except BaseException as exc:
+            self._direct_failed(asked, exc)
+            raise
+        return self._direct_answer(asked, reply, payload)
+
+    def start_lookup_direct(self, hashes: Sequence[bytes], leaves: Sequence[str], shards: int = 1, *,
+                            group: int = 0, send: int = 0) -> PendingLookup:
+        """Calling thread: :meth:`lookup_direct` split in two: the request is sent now, the answer read by polling.
+
+        The same request, answer, checks and errors as :meth:`lookup_direct`
+        (:class:`~dkv.direct_channel.ChannelClosed` and
+        :class:`~dkv.direct_channel.ChannelBusy` from here: nothing was
+        sent), but nothing waits for the answer: :meth:`PendingLookup.poll`
+        reads what has arrived, never blocking, and answers once it is whole
+        (see :class:`dkv.direct_channel.PendingReply`, which holds the channel
+        meanwhile).
+        """
+        asked = self._direct_lookup(hashes, leaves, shards, group, send)
+        try:
+            pending = asked.channel.begin(asked.message, self.timeout, asked.message.get("send", 0))
+        except BaseException as exc:
+            self._direct_failed(asked, exc)
+            raise
+        return PendingLookup(self, asked, pending)
+
+    def _direct_lookup(self, hashes: Sequence[bytes], leaves: Sequence[str], shards: int, group: int,
+                       send: int) -> _DirectLookup:
+        """A leased lookup's request for the direct channel, with the loaded leases it ends (see :meth:`lookup_direct`)."""
         direct = self._direct
         channel = direct.conn if direct is not None else None
         if direct is None or not isinstance(channel, DirectChannel) or channel.closed or self._closed:
@@ -1017,26 +1112,28 @@ class NodeClient:
         ends = self._take_ends()
         if ends:
             message["ends"] = ends
-        sent_at = time.monotonic()
-        try:
-            reply, payload = channel.exchange_with(message, self.timeout, message.get("send", 0))
-        except BaseException as exc:
-            if ends and isinstance(exc, (ChannelClosed, ChannelBusy)):
-                with self._lock:
-                    self._ends[:0] = ends  # the node never saw them: the next request carries them
-            if channel.closed:
-                self._lost(direct)
-            raise
+        return _DirectLookup(direct, channel, message, mapping, ends, time.monotonic())
+
+    def _direct_failed(self, asked: _DirectLookup, exc: BaseException) -> None:
+        """A direct lookup's exchange failed with ``exc``: ends the node never saw go back in the queue."""
+        if asked.ends and isinstance(exc, (ChannelClosed, ChannelBusy)):
+            with self._lock:
+                self._ends[:0] = asked.ends  # the node never saw them: the next request carries them
+        if asked.channel.closed:
+            self._lost(asked.direct)
+
+    def _direct_answer(self, asked: _DirectLookup, reply: dict[str, Any], payload: memoryview | None) -> LookupResult:
+        """What a direct lookup's reply (and the block bytes after it) says, judged and kept as on the loop."""
         reply = _check_reply(reply)
         if payload is not None:  # (the channel read exactly what the answer's sent names: the stream is in step)
             try:
-                blocks = self._sent_blocks(direct, message, reply, payload)
+                blocks = self._sent_blocks(asked.direct, asked.message, reply, payload)
             except ProtocolError:  # (the channel is closed: blocks that do not match the request)
-                self._lost(direct)
+                self._lost(asked.direct)
                 raise
             blocks.check(0, len(blocks.sizes))
-            return self._keep_sent(message, blocks)
-        return self._leased_answer(message, mapping, reply, sent_at)
+            return self._keep_sent(asked.message, blocks)
+        return self._leased_answer(asked.message, asked.mapping, reply, asked.sent_at)
 
     def read_here(self, lease_id: int, keys: Sequence[BlockKey], dests: Sequence[Any], slots: LeaseSlots) -> bool:
         """Calling thread: :meth:`read` of a same-host lease copied right here from its slot map; True when done.

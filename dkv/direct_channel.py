@@ -40,6 +40,17 @@ Contract:
   any thread: while an exchange runs it only shuts the socket down (which
   wakes the blocked call) and the exchanging thread closes the descriptor,
   so no descriptor is closed under a thread that is still using it.
+* An exchange may also be split in two (:meth:`DirectChannel.begin`): the
+  request is sent at once, and the reply is read later by whoever polls
+  (:meth:`PendingReply.poll`), never blocking: each poll reads what has
+  arrived (``MSG_DONTWAIT``) and answers once the reply, and the bytes it
+  names, are whole. The same checks, the same bound (a poll past the
+  deadline fails with :class:`~dkv.errors.OpTimeout`), and the channel is
+  held from the send until the reply settles: meanwhile other exchanges
+  are turned away (:class:`ChannelBusy`). A connector's ``start_lookup``
+  runs this way, so that its scheduler thread, which polls its handles
+  anyway, reads the answer itself instead of waiting for the loop thread
+  to take the GIL from it (see :mod:`connector.worker_side`).
 """
 
 from __future__ import annotations
@@ -52,12 +63,15 @@ from typing import Any
 
 import numpy as np
 
-from dkv import polling
+from dkv import held_gil, polling
 from dkv.errors import OpTimeout, ProtocolError, TransportError
 from dkv.polling import REPLY_SPIN
 from dkv.wire import HEADER_SIZE, MAX_FRAME, decode_body, decode_header, encode_body, encode_header
 
 _FIRST_READ = 64 * 1024  # the first read of a reply: a lookup's of a few hundred hashes, header and all
+# the largest request begin() sends: far under the kernel's send buffer of a channel (1 MiB asked for by
+# dkv.stream_channel, at least 208 KiB by default), which is empty when an exchange begins, so the send never waits
+BEGIN_MAX_BYTES = 64 * 1024
 _PEEK = socket.MSG_PEEK | socket.MSG_DONTWAIT  # (an enum's | costs a few µs a call: made once)
 _TIMEVAL = struct.Struct("@ll")  # struct timeval, for SO_RCVTIMEO / SO_SNDTIMEO
 # a blocking call whose kernel bound ran out fails with EAGAIN (BlockingIOError); a deadline already past
@@ -116,24 +130,7 @@ class DirectChannel:
         if not self._lock.acquire(blocking=False):
             raise ChannelBusy(f"the direct channel to {self.peer} is in use")
         try:
-            sock = self._sock
-            if self._closed or sock is None:
-                raise ChannelClosed(f"the direct channel to {self.peer} is closed")
-            if _peer_closed(sock):
-                self._fail()
-                raise ChannelClosed(f"the node closed the direct channel {self.peer}")
-            deadline = time.monotonic() + timeout
-            body = encode_body(message)
-            try:
-                if self._send_bound != timeout:  # the send starts the exchange: its bound is the whole timeout
-                    _bounded(sock, deadline, socket.SO_SNDTIMEO)
-                    self._send_bound = timeout
-                sock.sendall(encode_header(len(body)) + body)
-            except OSError as exc:
-                self._fail()
-                if isinstance(exc, _TIMED_OUT):
-                    raise OpTimeout(f"send to {self.peer} timed out after {timeout:.1f}s") from exc
-                raise ChannelClosed(f"send to {self.peer} failed: {exc}") from exc
+            sock, deadline = self._send_request(message, timeout)
             try:
                 # with room asked, into a buffer of its own that also holds the bytes (read with the reply, if they
                 # are there by then, and kept: not zeroed, as only what is read is ever looked at)
@@ -158,9 +155,65 @@ class DirectChannel:
             self.exchanges += 1
             return reply, payload
         finally:
-            self._lock.release()
-            if self._closed:
-                self._close_descriptor()
+            self._let_go()
+
+    def _send_request(self, message: dict[str, Any], timeout: float,
+                      most: int | None = None) -> tuple[socket.socket, float]:
+        """With the channel held: send ``message``; the socket and the exchange's deadline.
+
+        :class:`ChannelClosed` where the node cannot have seen it (the
+        channel closed, by either end, or the write failed); :class:`OpTimeout`
+        where the write did not finish in time. Either closes the channel
+        (but not its descriptor: the holder does, as it lets go).
+        """
+        sock = self._sock
+        if self._closed or sock is None:
+            raise ChannelClosed(f"the direct channel to {self.peer} is closed")
+        body = encode_body(message)
+        if most is not None and HEADER_SIZE + len(body) > most:
+            raise ChannelBusy(f"a request of {HEADER_SIZE + len(body)} bytes is not begun (at most {most})")
+        if _peer_closed(sock):
+            self._fail()
+            raise ChannelClosed(f"the node closed the direct channel {self.peer}")
+        deadline = time.monotonic() + timeout
+        try:
+            if self._send_bound != timeout:  # the send starts the exchange: its bound is the whole timeout
+                _bounded(sock, deadline, socket.SO_SNDTIMEO)
+                self._send_bound = timeout
+            sock.sendall(encode_header(len(body)) + body)
+        except OSError as exc:
+            self._fail()
+            if isinstance(exc, _TIMED_OUT):
+                raise OpTimeout(f"send to {self.peer} timed out after {timeout:.1f}s") from exc
+            raise ChannelClosed(f"send to {self.peer} failed: {exc}") from exc
+        return sock, deadline
+
+    def begin(self, message: dict[str, Any], timeout: float, room: int = 0) -> PendingReply:
+        """Send ``message`` now; its reply (and the bytes it names, as :meth:`exchange_with`'s) is read by polling.
+
+        Never waits for the reply: see :class:`PendingReply`, which holds
+        the channel until the reply settles. Nor for the node to read the
+        request: the channel's previous exchange was answered, so its
+        socket's send buffer is empty, and a request of at most
+        :data:`BEGIN_MAX_BYTES` goes into it at once (a larger one is not
+        sent: :class:`ChannelBusy`, take another path). Raises as the send
+        of :meth:`exchange_with` does (:class:`ChannelBusy`,
+        :class:`ChannelClosed`: nothing was sent; :class:`~dkv.errors.OpTimeout`).
+        """
+        if not self._lock.acquire(blocking=False):
+            raise ChannelBusy(f"the direct channel to {self.peer} is in use")
+        try:
+            sock, deadline = self._send_request(message, timeout, BEGIN_MAX_BYTES)
+        except BaseException:
+            self._let_go()
+            raise
+        return PendingReply(self, sock, deadline, timeout, room)
+
+    def _let_go(self) -> None:
+        """Release the channel (held through an exchange); a channel that failed meanwhile closes its descriptor."""
+        self._lock.release()
+        if self._closed:
+            self._close_descriptor()
 
     def abort(self) -> None:
         """Close the channel. Idempotent; safe from any thread, during an exchange too (which then fails)."""
@@ -189,6 +242,146 @@ class DirectChannel:
                 sock.close()
             except OSError:
                 pass
+
+
+class PendingReply:
+    """A request :meth:`DirectChannel.begin` sent, whose reply is read by :meth:`poll` without ever blocking.
+
+    Contract:
+
+    * :meth:`poll` (any thread; one at a time: a poll while another runs
+      answers ``None``) reads what has arrived and answers ``None`` until the
+      reply is whole, then ``(reply, payload)`` as
+      :meth:`DirectChannel.exchange_with` returns them, every time after too.
+    * It fails as :meth:`DirectChannel.exchange_with` does (the same checks
+      of the frame and of the bytes it names), with the channel closed: a
+      poll past the deadline with :class:`~dkv.errors.OpTimeout`; a stream
+      that ended, or was aborted, with :class:`~dkv.errors.TransportError`;
+      the failure is raised by that poll and every later one.
+    * The channel is held from the send until the reply settles, either way.
+      :meth:`abort` settles it at once (failed, the channel closed).
+    """
+
+    def __init__(self, channel: DirectChannel, sock: socket.socket, deadline: float, timeout: float,
+                 room: int) -> None:
+        self._channel = channel
+        self._sock = sock
+        self._deadline = deadline
+        self._timeout = timeout
+        self._room = room
+        # as exchange_with: the channel's inbox, or with room asked a buffer that also holds the bytes
+        self._buffer = memoryview(np.empty(_FIRST_READ + room, np.uint8)) if room > 0 else memoryview(channel._inbox)
+        self._got = 0  # bytes read into _buffer
+        self._frame_end: int | None = None  # the reply's frame is _buffer[:_frame_end], once its header is in
+        self._reply: dict[str, Any] | None = None
+        self._payload_at = 0  # the sent bytes lie in _buffer from here (0 in a buffer of their own)
+        self._payload_end: int | None = None  # ... to here, once the reply named them
+        self._outcome: tuple[dict[str, Any], memoryview | None] | None = None
+        self._failure: BaseException | None = None
+        self._polling = threading.Lock()
+
+    @property
+    def settled(self) -> bool:
+        """Whether the reply is whole, or the exchange failed (no system call)."""
+        return self._outcome is not None or self._failure is not None
+
+    def poll(self) -> tuple[dict[str, Any], memoryview | None] | None:
+        """Any thread, never blocks: the reply and its bytes once whole, else ``None`` (see the class)."""
+        if not self.settled and self._polling.acquire(blocking=False):
+            try:
+                if not self.settled:
+                    self._advance()
+            finally:
+                self._polling.release()
+        if self._failure is not None:
+            raise self._failure
+        return self._outcome
+
+    def abort(self) -> None:
+        """Settle now, failed, closing the channel (safe from any thread; nothing once settled)."""
+        with self._polling:
+            if not self.settled:
+                self._fail(TransportError(f"the exchange on the direct channel {self._channel.peer} was aborted"))
+
+    def _advance(self) -> None:
+        """Read what has arrived; settle when the reply is whole or the exchange failed."""
+        channel = self._channel
+        try:
+            if channel.closed:  # aborted (the descriptor is ours to close, as we let go)
+                raise ConnectionAbortedError("the channel was closed")
+            while self._outcome is None:
+                need = self._needed()
+                if need is None:
+                    continue  # the stage moved on: look again
+                if need == 0:
+                    break
+                try:  # holding the GIL: a poll must not hand it to a thread waiting for it (see dkv.held_gil)
+                    n = held_gil.recv_into_now(self._sock, self._buffer[self._got:])
+                except BlockingIOError:
+                    if time.monotonic() >= self._deadline:
+                        raise OpTimeout(f"receive from {channel.peer} timed out after {self._timeout:.1f}s") from None
+                    return
+                if n == 0:
+                    raise ConnectionResetError("the node closed the connection")
+                self._got += n
+        except (OpTimeout, ProtocolError) as exc:
+            self._fail(exc)
+        except OSError as exc:
+            self._fail(TransportError(f"receive from {channel.peer} failed: {exc}"))
+        except Exception as exc:  # noqa: BLE001 - a body that does not decode, say: closed as any other failure
+            self._fail(exc)
+
+    def _needed(self) -> int | None:
+        """How many more bytes the stage needs (0: settled now); ``None`` when the stage moved on without reading."""
+        got, buffer = self._got, self._buffer
+        if self._frame_end is None:  # the header
+            if got < HEADER_SIZE:
+                return HEADER_SIZE - got
+            total = HEADER_SIZE + decode_header(bytes(buffer[:HEADER_SIZE]), self._channel.max_frame)
+            if got > total and self._room <= 0:
+                raise ProtocolError(f"{got - total} bytes past the reply's frame: the stream is out of step")
+            if total > len(buffer):  # (then got < total: nothing past the frame was read)
+                larger = memoryview(bytearray(total))
+                larger[:got] = buffer[:got]
+                self._buffer = larger
+            self._frame_end = total
+            return None
+        if self._reply is None:  # the body
+            end = self._frame_end
+            if got < end:
+                return end - got
+            self._reply = decode_body(buffer[HEADER_SIZE:end])
+            sent = _sent_bytes(self._reply, self._room)
+            if sent is None:
+                if got > end:
+                    raise ProtocolError(f"{got - end} bytes past the reply's frame: the stream is out of step")
+                return self._settle(None)
+            if got - end > sent:
+                raise ProtocolError(f"{got - end - sent} bytes past the reply's blocks: the stream is out of step")
+            if end + sent <= len(buffer):
+                self._payload_at, self._payload_end = end, end + sent
+            else:  # a buffer of their own, as exchange_with's
+                own = memoryview(bytearray(sent))
+                own[:got - end] = buffer[end:got]
+                self._buffer, self._got, self._payload_at, self._payload_end = own, got - end, 0, sent
+            return None
+        end = self._payload_end
+        assert end is not None
+        if got < end:
+            return end - got
+        return self._settle(self._buffer[self._payload_at:end])
+
+    def _settle(self, payload: memoryview | None) -> int:
+        assert self._reply is not None
+        self._outcome = (self._reply, payload)
+        self._channel.exchanges += 1
+        self._channel._let_go()  # noqa: SLF001 - the channel's own exchange
+        return 0
+
+    def _fail(self, exc: BaseException) -> None:
+        self._failure = exc
+        self._channel._fail()  # noqa: SLF001
+        self._channel._let_go()  # noqa: SLF001
 
 
 def _peer_closed(sock: socket.socket) -> bool:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from dkv.direct_channel import ChannelBusy, ChannelClosed, DirectChannel
+from dkv.direct_channel import BEGIN_MAX_BYTES, ChannelBusy, ChannelClosed, DirectChannel
 from dkv.polling import REPLY_SPIN
 from dkv.errors import FrameTooLarge, OpTimeout, ProtocolError, TransportError
 from dkv.stream_channel import StreamConnection
@@ -331,3 +331,141 @@ def test_blocks_that_never_come_time_the_exchange_out(pair) -> None:
     with pytest.raises(OpTimeout):
         channel.exchange_with({"op": "lookup", "n": 1}, 0.3, room=1000)
     assert channel.closed
+
+
+# ---- an exchange split in two: begin() sends, poll() reads what arrived, never blocking ------------------------
+
+
+def _polled(pending, bound: float = 10.0):  # noqa: ANN001, ANN202
+    """Poll ``pending`` until it answers (each poll returns at once), within ``bound`` seconds."""
+    deadline = time.monotonic() + bound
+    while True:
+        got = pending.poll()
+        if got is not None:
+            return got
+        assert time.monotonic() < deadline, "the pending reply never settled"
+        time.sleep(0.0005)
+
+
+def test_a_begun_exchange_is_read_by_polls_that_never_block_however_its_bytes_are_cut(pair) -> None:
+    channel, theirs = pair
+    blocks = [os.urandom(64 * 1024), b"", os.urandom(3), os.urandom(200 * 1024)]
+    go = threading.Event()
+
+    def in_pieces(request: dict) -> bytes:
+        go.wait(10)
+        data = _with_blocks(blocks, n=request["n"])
+        for cut in (3, 5, 7919, 70_000, len(data)):  # inside the header, the body, the blocks; the end
+            theirs.sendall(data[:cut])
+            data = data[cut:]
+            time.sleep(0.002)
+        return b""
+
+    FakeNode(theirs, in_pieces)
+    pending = channel.begin({"op": "lookup", "n": 4}, 10.0, room=sum(map(len, blocks)))
+    t0 = time.monotonic()
+    assert pending.poll() is None and not pending.settled  # nothing there yet: answered at once
+    assert time.monotonic() - t0 < 5.0
+    with pytest.raises(ChannelBusy):  # held until the reply settles
+        channel.exchange({"op": "x", "n": 1}, 10.0)
+    go.set()
+    reply, payload = _polled(pending)
+    assert reply["n"] == 4 and payload is not None and bytes(payload) == b"".join(blocks)
+    assert pending.poll() == (reply, payload)  # the same answer every time after
+    assert not channel.closed and channel.exchanges == 1
+
+
+def test_a_begun_exchange_without_room_reads_a_reply_larger_than_the_inbox(pair) -> None:
+    channel, theirs = pair
+    FakeNode(theirs, lambda request: _frame({"ok": True, "blob": b"z" * 150_000, "n": request["n"]}))
+    reply, payload = _polled(channel.begin({"op": "x", "n": 7}, 10.0))
+    assert reply["n"] == 7 and reply["blob"] == b"z" * 150_000 and payload is None
+    assert channel.exchange({"op": "x", "n": 8}, 10.0)["n"] == 8  # let go of: the next exchange runs
+
+
+def test_a_begun_exchange_the_node_never_answers_fails_its_first_poll_past_the_deadline(pair) -> None:
+    channel, theirs = pair
+    FakeNode(theirs, lambda request: b"")
+    pending = channel.begin({"op": "x", "n": 1}, 0.2)
+    assert pending.poll() is None
+    time.sleep(0.3)
+    with pytest.raises(OpTimeout):
+        pending.poll()
+    with pytest.raises(OpTimeout):  # every poll after says the same
+        pending.poll()
+    assert channel.closed and pending.settled
+    with pytest.raises(ChannelClosed):
+        channel.begin({"op": "x", "n": 2}, 1.0)
+
+
+@pytest.mark.parametrize("reply, room", [
+    (_with_blocks([b"x" * 10]), 0),
+    (_with_blocks([b"x" * 10]), 9),
+    (_with_blocks([b"x" * 10]) + b"more", 100),
+    (_frame({"ok": True}) + b"x" * 10, 100),
+    (_frame({"ok": True}) + b"x", 0),
+], ids=["unasked", "over-the-room", "past-the-blocks", "none-named", "past-the-frame"])
+def test_a_begun_exchange_checks_the_bytes_as_exchange_with_does(pair, reply: bytes, room: int) -> None:
+    channel, theirs = pair
+    FakeNode(theirs, lambda request: reply)
+    pending = channel.begin({"op": "lookup", "n": 1}, 10.0, room=room)
+    with pytest.raises(ProtocolError):
+        _polled(pending)
+    assert channel.closed
+
+
+def test_a_begun_exchange_cut_short_by_the_node_closing_fails_and_closes(pair) -> None:
+    channel, theirs = pair
+
+    def short(request: dict) -> bytes:
+        theirs.sendall(_with_blocks([b"x" * 100_000])[:-10])
+        theirs.shutdown(socket.SHUT_RDWR)
+        return b""
+
+    FakeNode(theirs, short)
+    pending = channel.begin({"op": "lookup", "n": 1}, 10.0, room=100_000)
+    with pytest.raises(TransportError) as raised:
+        _polled(pending)
+    assert not isinstance(raised.value, (ChannelClosed, ProtocolError, OpTimeout))
+    assert channel.closed
+
+
+def test_aborting_a_begun_exchange_or_its_channel_settles_it_failed_and_lets_go(pair) -> None:
+    channel, theirs = pair
+    FakeNode(theirs, lambda request: b"")
+    pending = channel.begin({"op": "x", "n": 1}, 10.0)
+    pending.abort()
+    with pytest.raises(TransportError):
+        pending.poll()
+    assert channel.closed and not channel._lock.locked()  # noqa: SLF001
+    pending.abort()  # idempotent
+
+    ours, node_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    other = DirectChannel(ours, "test")
+    try:
+        FakeNode(node_end, lambda request: b"")
+        pending = other.begin({"op": "x", "n": 1}, 10.0)
+        other.abort()  # from "another thread": the holder closes the descriptor as it lets go
+        with pytest.raises(TransportError):
+            pending.poll()
+        assert other.closed and other._sock is None  # noqa: SLF001 - the descriptor is closed
+    finally:
+        other.abort()
+        node_end.close()
+
+
+def test_a_request_too_large_to_begin_without_waiting_is_not_sent(pair) -> None:
+    channel, theirs = pair
+    FakeNode(theirs, _echo)
+    with pytest.raises(ChannelBusy):
+        channel.begin({"op": "x", "n": 1, "blob": b"b" * BEGIN_MAX_BYTES}, 10.0)
+    assert not channel.closed and not channel._lock.locked()  # noqa: SLF001 - nothing sent, in step
+    assert _polled(channel.begin({"op": "x", "n": 2, "blob": b"b" * (BEGIN_MAX_BYTES - 100)}, 10.0))[0]["echo"] == 2
+
+
+def test_a_begin_that_cannot_send_says_the_node_never_saw_it(pair) -> None:
+    channel, theirs = pair
+    theirs.close()
+    with pytest.raises(ChannelClosed):
+        channel.begin({"op": "x", "n": 1}, 1.0)
+    assert channel.closed and not channel._lock.locked()  # noqa: SLF001
