@@ -48,7 +48,8 @@ _PLAIN: dict[str, tuple[str, str]] = {
                                                       "Lookups answered a miss: the node's max_leases were all held"),
     "dkv_connector_lookups_truncated_total": ("lookups_truncated", "Lookups longer than one request: the tail missed"),
     "dkv_connector_lookups_in_place_total": ("lookups_in_place",
-                                             "lookup() calls answered on the calling thread (direct channel: same-host or TCP)"),
+                                             "Lookups answered without the loop thread: lookup() calls, and start_lookup "
+                                             "handles read by their polls (direct channel: same-host or TCP)"),
     "dkv_connector_blocks_reported_total": ("blocks_reported", "Blocks (hash x leaf) lookups reported present"),
     "dkv_connector_hints_behind_device_total": ("hints_behind_device",
                                                 "Usable hints with nothing to add: the device held more already"),

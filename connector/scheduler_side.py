@@ -118,13 +118,21 @@ class DKVLookup:
     """
 
     def __init__(self, hashes: list[bytes], replica_idx: int, hint: bytes | None, group: int,
-                 future: concurrent.futures.Future[LeaseState | None]) -> None:
-        """Scheduler thread (:meth:`DKVConnector.start_lookup` makes it)."""
+                 future: concurrent.futures.Future[LeaseState | None],
+                 poll: Callable[[], bool] | None = None) -> None:
+        """Scheduler thread (:meth:`DKVConnector.start_lookup` makes it).
+
+        ``poll``: where the answer is read by whoever polls (a lookup sent
+        over a direct channel, see :class:`connector.worker_side.InPlaceLookup`),
+        what :meth:`is_complete` calls until ``future`` resolves; the loop
+        thread polls it too, so a handle nobody polls still completes.
+        """
         self.block_hashes = hashes
         self.replica_idx = replica_idx
         self.hint = hint
         self.group = group
         self._future = future
+        self._poll = poll
         self._leaves: Sequence[str] = ()
         self.consumed = False
         # what state() answers once the future settled, kept by the thread that settles it so that state() takes
@@ -133,8 +141,16 @@ class DKVLookup:
         future.add_done_callback(functools.partial(_keep_state, self._settled))
 
     def is_complete(self) -> bool:
-        """Any thread: whether the lookup has answered (never blocks)."""
-        return self._future.done()
+        """Any thread: whether the lookup has answered (never blocks: at most it reads what arrived)."""
+        future = self._future
+        if not future.done() and self._poll is not None:
+            self._poll()
+        return future.done()
+
+    @property
+    def answered_by_polling(self) -> bool:
+        """Whether this handle's answer is read by polling :meth:`is_complete` (a waiter should poll, not block)."""
+        return self._poll is not None
 
     done = is_complete
 
@@ -168,7 +184,7 @@ class ConnectorCounters:
     lookups: int = 0
     lookup_failures: int = 0
     lookups_skipped: int = 0  # the co-located node failed to answer recently: a miss without asking
-    lookups_in_place: int = 0  # lookup() calls answered on the calling thread (a direct channel), in lookups too
+    lookups_in_place: int = 0  # lookup() calls and start_lookup handles answered off the loop (a direct channel), in lookups too
     blocks_reported: int = 0
     hits_local: int = 0
     hits_peer: int = 0

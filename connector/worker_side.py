@@ -12,7 +12,8 @@ thread" or "any thread", which validate nothing (the scheduler side did) and
 only hand work to the loop: :meth:`WorkerSide.submit` (a coroutine, with a
 future) and :meth:`WorkerSide.call_soon` (a plain callback). The exceptions
 are the lookups and loads without the loop
-(:meth:`WorkerSide.lookup_in_place`, and :meth:`WorkerSide.load_in_place`,
+(:meth:`WorkerSide.lookup_in_place`, :meth:`WorkerSide.start_lookup_in_place`
+and :meth:`WorkerSide.load_in_place`,
 which posts large same-host copies to :mod:`dkv.copy_threads`, where they
 complete). Bookkeeping goes back to the scheduler side
 (:class:`~connector.scheduler_side.SchedulerSide`), whose methods called
@@ -25,7 +26,6 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
-import ctypes
 import dataclasses
 import enum
 import functools
@@ -41,7 +41,8 @@ from connector.scheduler_side import LEASE_MARGIN, LeaseState, SchedulerSide
 from connector.transfer_plan import TransferPlan
 from connector.types import ByteCount, CompletedTransfer, KVLoadFailed
 from connector.lease_budget import Slot
-from dkv.client import LookupResult, NodeClient
+from dkv.client import LookupResult, NodeClient, PendingLookup
+from dkv import held_gil
 from dkv.copy_threads import ChunkedCopy, PostedCopy
 from dkv.lease_slots import LeaseSlots, RowRun
 from dkv.direct_channel import ChannelBusy, ChannelClosed
@@ -68,25 +69,10 @@ IN_PLACE_LOAD_BYTES = 256 * 1024
 # a listener lookup asks its node to send the blocks' bytes with the answer when they come to at most this
 # many (see dkv.wire, ``send``): their load then copies them on the calling thread, with no round trip
 LOOKUP_PAYLOAD_BYTES = IN_PLACE_LOAD_BYTES
-
-
-def _gil_holding_write() -> Callable[[int, bytes, int], int]:
-    """libc's ``write`` called without letting go of the GIL (``ctypes.PyDLL``); ``os.write`` where there is none.
-
-    A one-byte write to a non-blocking pipe never blocks, so holding the GIL
-    through it costs nothing, and the calling (scheduler) thread cannot lose
-    the GIL to the loop thread it is waking (see :meth:`WorkerSide._post`).
-    """
-    try:
-        write = ctypes.PyDLL(None).write
-    except (OSError, AttributeError):
-        return os.write  # type: ignore[return-value]
-    write.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t)
-    write.restype = ctypes.c_ssize_t
-    return write  # type: ignore[no-any-return]
-
-
-_write_byte = _gil_holding_write()
+# how often the loop thread polls the start_lookup handles answered in place that their scheduler has not
+# settled (see InPlaceLookup): one it abandoned, or one it does not poll, still settles, and its lease ends
+IN_PLACE_WATCH_PERIOD = 0.05
+IN_PLACE_WATCH_LINGER = 20  # periods the poller waits with nothing to poll before it ends (restarting it wakes the loop)
 
 
 class Transfer:
@@ -166,6 +152,126 @@ class InPlace(enum.Enum):
     NOT_TAKEN = "not taken"
 
 
+class InPlaceLookup:
+    """A ``start_lookup`` handle's leased lookup, sent over the node's direct channel and read by whoever polls first.
+
+    Made by :meth:`WorkerSide.start_lookup_in_place` on the scheduler
+    thread, which sent the request itself: no hop to the loop thread. The
+    answer is read by :meth:`poll` (any thread, never blocks): the engine's
+    scheduler polls the handle between its steps anyway, so it reads the
+    answer as soon as it is there, instead of waiting (a switch interval, on
+    a busy scheduler) for the loop thread to take the GIL from it and read
+    it. The loop thread polls every handle not yet settled every
+    ``IN_PLACE_WATCH_PERIOD`` s, so that one nobody polls (abandoned, or
+    waited on some other way) settles too.
+
+    :attr:`future` resolves once, as :meth:`WorkerSide.lookup_handle`'s
+    does: the :class:`LeaseState`, or ``None`` for a miss (a node that did
+    not answer within the client's timeout, or answered with an error: counted
+    and backed off, as on the loop). A connection that failed mid-way asks
+    again on the loop thread (a leased lookup is idempotent), whose answer
+    then resolves it.
+    """
+
+    def __init__(self, worker: WorkerSide, client: NodeClient, address: str, hashes: list[bytes], fits: int,
+                 peer: bool, hint: bytes | None, group: int, slot: Slot, pending: PendingLookup) -> None:
+        self.future: concurrent.futures.Future[LeaseState | None] = concurrent.futures.Future()
+        self._worker = worker
+        self._client = client
+        self._address = address
+        self._hashes = hashes
+        self._fits = fits
+        self._peer = peer
+        self._hint = hint
+        self._group = group
+        self._slot = slot
+        self._pending = pending
+        self._settling = threading.Lock()
+        self._on_the_loop = False  # asked again on the loop thread, whose answer resolves the future
+
+    def poll(self) -> bool:
+        """Any thread, never blocks: read what has arrived; True once :attr:`future` is resolved."""
+        if self.future.done() or self._on_the_loop:
+            return self.future.done()
+        if not self._settling.acquire(blocking=False):
+            return False  # another thread is reading it now
+        try:
+            if not self.future.done() and not self._on_the_loop:
+                self._advance()
+        finally:
+            self._settling.release()
+        return self.future.done()
+
+    def abort(self) -> None:
+        """Loop thread, at shutdown: settle now (a miss unless its answer was read); the channel closes."""
+        self._pending.abort()
+        self.poll()
+
+    def _advance(self) -> None:
+        worker, sched, address = self._worker, self._worker.sched, self._address
+        try:
+            result = self._pending.poll()
+        except OpTimeout as exc:  # the node is hung
+            self._missed(exc)
+            return
+        except TransportError as exc:  # the connection failed, or was closed, mid-exchange
+            log.debug("the direct channel to %s failed mid-lookup (%s): asking on the loop", address, exc)
+            self._ask_on_the_loop()
+            return
+        except Exception as exc:  # noqa: BLE001 - an error reply or a bad one: a miss, as on the loop
+            self._missed(exc)
+            return
+        if result is None:
+            return
+        self._client.last_used = time.monotonic()
+        sched.count(lookups_in_place=1)
+        if result.rejected:  # sent with the answer, failed their checksums: reported absent by the client
+            sched.count(checksum_failures=1)
+        limits = self._client.info.limits if self._client.info else {}
+        state = sched.granted(address, self._slot, self._hashes, self._hint, self._peer,
+                              worker._padded(result, self._fits, len(self._hashes)).masks,  # noqa: SLF001
+                              result.lease_id, float(limits.get("lease_ttl", 10.0)), self._client.lease_generation,
+                              received=result.received)
+        self._resolve(state)
+
+    def _missed(self, exc: BaseException) -> None:
+        self._worker.sched.budget.give_back(self._address, self._slot)
+        self._worker.unanswered(self._address, exc)
+        self._resolve(None)
+
+    def _ask_on_the_loop(self) -> None:
+        """The request may not have been answered on this channel: the loop thread asks again, and resolves this."""
+        worker = self._worker
+        worker.sched.budget.give_back(self._address, self._slot)
+        if worker.closed:
+            self._resolve(None)
+            return
+        try:
+            asked = worker.submit(worker.lookup_handle(self._address, self._hashes, self._group, self._peer,
+                                                       self._hint))
+        except RuntimeError:  # the connector is shut down
+            self._resolve(None)
+            return
+        self._on_the_loop = True
+        worker.forget_in_place(self)
+        asked.add_done_callback(self._take_the_loops_answer)
+
+    def _take_the_loops_answer(self, asked: concurrent.futures.Future[LeaseState | None]) -> None:
+        state = None if asked.cancelled() or asked.exception() is not None else asked.result()
+        if self.future.set_running_or_notify_cancel():
+            self.future.set_result(state)  # (lookup_handle counted it)
+        elif state is not None:
+            self._worker.release(state)
+
+    def _resolve(self, state: LeaseState | None) -> None:
+        self._worker.sched.count_lookup(state)
+        self._worker.forget_in_place(self)
+        if self.future.set_running_or_notify_cancel():
+            self.future.set_result(state)
+        elif state is not None:
+            self._worker.release(state)
+
+
 class TrackedClient(NodeClient):
     """A node client and its use as the worker side sees it (loop thread): calls in flight, and when it was last used.
 
@@ -184,7 +290,7 @@ class WorkerSide:
                  token: bytes | None, tenant: str | None, timeout: float, local: bool | None, checksums: bool,
                  etcd: str | EtcdSettings | None, layout: Layout | None, peer_idle_timeout: float,
                  lookup_in_place: bool = True, lookup_payload_bytes: int = LOOKUP_PAYLOAD_BYTES,
-                 reply_spin: float = REPLY_SPIN) -> None:
+                 reply_spin: float = REPLY_SPIN, start_lookup_in_place: bool = True) -> None:
         """Any thread (construction); nothing is started until :meth:`start` runs on the loop."""
         self.sched = sched
         self.loop = loop
@@ -199,6 +305,7 @@ class WorkerSide:
         self._layout = layout
         self._peer_idle = peer_idle_timeout
         self._in_place = lookup_in_place  # lookup() may use a node's direct channel (same-host or TCP)
+        self._start_in_place = start_lookup_in_place  # start_lookup() may too (see start_lookup_in_place)
         self._lookup_payload = lookup_payload_bytes  # listener lookups ask for their blocks' bytes up to this
         self._reply_spin = reply_spin  # a direct channel's replies are polled for this long before a sleep
         self.host_bytes = ByteCount(free=0, total=0)
@@ -232,6 +339,9 @@ class WorkerSide:
         self._loads_posted = 0
         self._loads_begun = 0
         self._copies: set[ChunkedCopy | PostedCopy] = set()  # loads on the copy threads (load_in_place): waited for at close
+        # start_lookup handles answered in place and not settled yet (under _tasks_lock), and the loop's poller of them
+        self._in_place_lookups: set[InPlaceLookup] = set()
+        self._in_place_watcher: asyncio.Task[None] | bool | None = None  # True: asked for, not started yet
 
     # ---- start, clients --------------------------------------------------------------------------
 
@@ -417,16 +527,8 @@ class WorkerSide:
         (a hung node) or an error reply raises, with the slot given back, as
         :meth:`lookup_on` does.
         """
-        if not self._in_place or self.closed:
-            return InPlace.NOT_TAKEN
-        client = self.clients.get(address)
-        if client is None or client.info is None:
-            return InPlace.NOT_TAKEN
-        if not client.direct_ready:
-            if client.direct_possible:
-                self.call_soon(client.want_direct)
-            return InPlace.NOT_TAKEN
-        if self._loads_begun != self._loads_posted:
+        client = self._direct_client(address) if self._in_place else None
+        if client is None:
             return InPlace.NOT_TAKEN
         limits = client.info.limits
         taken = slot is None
@@ -457,6 +559,106 @@ class WorkerSide:
         return self.sched.granted(address, slot, hashes, hint, peer, self._padded(result, fits, len(hashes)).masks,
                                   result.lease_id, float(limits.get("lease_ttl", 10.0)), client.lease_generation,
                                   received=result.received)
+
+    def _direct_client(self, address: str) -> TrackedClient | None:
+        """Scheduler thread: the client whose direct channel a lookup in place may use now; ``None`` where none may.
+
+        None: no client of the node yet, no direct
+        channel open (one is asked for, in the background), or a load of this
+        connector posted but not yet begun (a lookup here could otherwise
+        overtake it and end the lease it is about to read: on the loop
+        thread the load goes first).
+        """
+        if self.closed:
+            return None
+        client = self.clients.get(address)
+        if client is None or client.info is None:
+            return None
+        if not client.direct_ready:
+            if client.direct_possible:
+                self.call_soon(client.want_direct)
+            return None
+        if self._loads_begun != self._loads_posted:
+            return None
+        return client
+
+    def start_lookup_in_place(self, address: str, hashes: list[bytes], group: int, peer: bool,
+                              hint: bytes | None) -> InPlaceLookup | InPlace | None:
+        """Scheduler thread: a ``start_lookup`` handle's lookup sent over the node's direct channel, its answer read by polling.
+
+        The request goes out on this thread (:meth:`dkv.client.NodeClient.start_lookup_direct`);
+        the answer is read by whoever polls the returned :class:`InPlaceLookup`
+        first (see there): no hop to the loop thread either way.
+        :data:`InPlace.NOT_TAKEN` where it sent nothing (the conditions of
+        :meth:`lookup_in_place`, or a channel busy with another exchange):
+        ask on the loop (:meth:`lookup_handle`). ``None``: a miss without
+        asking (the lease budget is spent, counted). A send that timed out
+        (a hung node) raises :class:`~dkv.errors.OpTimeout`, the slot given back.
+        """
+        client = self._direct_client(address) if self._start_in_place else None
+        if client is None:
+            return InPlace.NOT_TAKEN
+        slot = self.sched.take_lease_slot(address, client.info.limits)
+        if slot is None:
+            return None
+        fits = self._lookup_fits(client, len(hashes))
+        try:
+            pending = client.start_lookup_direct(hashes[:fits], self.sched.leaf_names, self.sched.tp_shards,
+                                                 group=group, send=self._lookup_payload)
+        except OpTimeout:
+            self.sched.budget.give_back(address, slot)
+            raise
+        except TransportError:  # not sent (ChannelBusy, ChannelClosed), or the connection failed as it was
+            self.sched.budget.give_back(address, slot)
+            return InPlace.NOT_TAKEN
+        except BaseException:
+            self.sched.budget.give_back(address, slot)
+            raise
+        lookup = InPlaceLookup(self, client, address, hashes, fits, peer, hint, group, slot, pending)
+        with self._tasks_lock:
+            self._in_place_lookups.add(lookup)
+            start_watcher = self._in_place_watcher is None
+            if start_watcher:
+                self._in_place_watcher = True
+        if start_watcher:
+            self.call_soon(self._start_in_place_watcher)
+        return lookup
+
+    def forget_in_place(self, lookup: InPlaceLookup) -> None:
+        """Any thread: ``lookup`` settled (or went to the loop): the loop's poller no longer looks at it."""
+        with self._tasks_lock:
+            self._in_place_lookups.discard(lookup)
+
+    def _start_in_place_watcher(self) -> None:
+        """Loop thread: start polling the unsettled handles answered in place (see :class:`InPlaceLookup`)."""
+        with self._tasks_lock:
+            if self._in_place_watcher is not True:
+                return
+            if self.closed:
+                self._in_place_watcher = None
+                return
+            self._in_place_watcher = asyncio.get_running_loop().create_task(
+                self._watch_in_place_forever(), name="dkv-connector-in-place-lookups")
+
+    async def _watch_in_place_forever(self) -> None:
+        """Loop thread: poll the unsettled handles answered in place; ends once none was left for a while (or at shutdown)."""
+        idle = 0
+        try:
+            while not self.closed:
+                await asyncio.sleep(IN_PLACE_WATCH_PERIOD)
+                with self._tasks_lock:
+                    waiting = list(self._in_place_lookups)
+                for lookup in waiting:
+                    lookup.poll()
+                with self._tasks_lock:
+                    idle = 0 if self._in_place_lookups or waiting else idle + 1
+                    if idle >= IN_PLACE_WATCH_LINGER:
+                        self._in_place_watcher = None
+                        return
+        finally:
+            with self._tasks_lock:
+                if self._in_place_watcher is asyncio.current_task():
+                    self._in_place_watcher = None
 
     async def lookup_handle(self, address: str, hashes: list[bytes], group: int, peer: bool,
                             hint: bytes | None) -> LeaseState | None:
@@ -888,7 +1090,7 @@ class WorkerSide:
         thread wakes the loop at most once per drain (while a wake-up is
         pending the loop has not drained yet, and appending is enough), and
         through a pipe of the connector's own, written without letting go of
-        the GIL (:func:`_gil_holding_write`). ``RuntimeError`` once the loop is
+        the GIL (:func:`dkv.held_gil.write`). ``RuntimeError`` once the loop is
         stopped (``item`` is not queued).
         """
         loop = self.loop
@@ -902,7 +1104,8 @@ class WorkerSide:
         with self._wake_lock:
             fd = self._wake_fd
             if fd >= 0:
-                _write_byte(fd, b"\0", 1)  # a full pipe (-1, EAGAIN) means a wake-up is on its way anyway
+                with contextlib.suppress(BlockingIOError):  # a full pipe: a wake-up is on its way anyway
+                    held_gil.write(fd, b"\0")
                 return
         try:
             loop.loop.call_soon_threadsafe(self._drain_inbox)
@@ -913,8 +1116,8 @@ class WorkerSide:
             raise
 
     def _open_wake_pipe(self) -> None:
-        """Loop thread: the pipe :meth:`_post` wakes the loop through (see :func:`_write_byte`)."""
-        if _write_byte is os.write:
+        """Loop thread: the pipe :meth:`_post` wakes the loop through (see :meth:`_post`)."""
+        if not held_gil.HOLDS_GIL:
             return  # no GIL-holding write here: call_soon_threadsafe does as well
         read_fd, write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         asyncio.get_running_loop().add_reader(read_fd, self._on_wake, read_fd)
@@ -1015,7 +1218,10 @@ class WorkerSide:
         await asyncio.gather(*(asyncio.wrap_future(f) for f in owned), return_exceptions=True)
         if copies:  # bounded: a copy is a memcpy of what one load moves, chunk by chunk
             await asyncio.wait([asyncio.wrap_future(c.done) for c in copies], timeout=self.timeout + 5)
-        workers = [t for t in (self._sweeper, self._resetter, *self._releasers.values()) if t is not None]
+        with self._tasks_lock:
+            watcher = self._in_place_watcher
+        workers = [t for t in (self._sweeper, self._resetter, *self._releasers.values(),
+                               watcher if isinstance(watcher, asyncio.Task) else None) if t is not None]
         for worker in workers:
             worker.cancel()
         await asyncio.gather(*workers, return_exceptions=True)
@@ -1027,6 +1233,10 @@ class WorkerSide:
             await self.router.stop()
         clients = [*self.clients.values(), *self.closing]
         await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+        with self._tasks_lock:
+            unsettled = list(self._in_place_lookups)
+        for lookup in unsettled:  # their channels are closed: each settles now, a miss unless answered already
+            lookup.abort()
         for engine in self.copy.values():
             engine.close()
         if self.etcd_client is not None:

@@ -27,11 +27,12 @@ def wait_done(item: Any, what: str, timeout: float, error: type[BaseException] =
 
     A failed load raises (``is_complete`` does). Waits on the handle's future
     when it has one (no polling, no GIL contention from a spinning waiter);
-    otherwise polls the public ``is_complete()`` every 50 µs.
+    otherwise, and for a lookup whose answer its poller reads
+    (``answered_by_polling``), polls the public ``is_complete()`` every 50 µs.
     """
     deadline = time.monotonic() + timeout
     future = getattr(item, "_future", None)
-    if isinstance(future, concurrent.futures.Future):
+    if isinstance(future, concurrent.futures.Future) and not getattr(item, "answered_by_polling", False):
         event = threading.Event()
         future.add_done_callback(lambda _f: event.set())
         if not event.wait(timeout):

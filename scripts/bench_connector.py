@@ -140,7 +140,8 @@ class Waiter:
     def __call__(self, item: Any, what: str, timeout: float = OP_TIMEOUT) -> None:
         deadline = time.monotonic() + timeout
         future = getattr(item, "_future", None)
-        if self.poll_s <= 0 and isinstance(future, concurrent.futures.Future):
+        if (self.poll_s <= 0 and isinstance(future, concurrent.futures.Future)
+                and not getattr(item, "answered_by_polling", False)):  # (that one's poller reads its answer)
             event = threading.Event()
             future.add_done_callback(lambda _f: event.set())
             if not event.wait(timeout):

@@ -15,7 +15,10 @@ also times, on the calling thread, two limits over the same bytes:
 
 Inside the load, timing wrappers (installed here, on the classes, for this
 process only) split it: the node round trip of the lookup on the loop thread
-(``NodeClient.lookup``); then, on the same-host path, the making of the
+(``NodeClient.lookup``), or, where the handle's lookup runs in place (the
+direct channel is open), its send on the calling thread
+(``NodeClient.start_lookup_direct``) and the judging of its answer once a
+poll found it whole (``NodeClient._direct_answer``); then, on the same-host path, the making of the
 native copy from the slot map on the calling thread (``LeaseSlots.rows_copy``;
 the native copy threads that run it take no Python, so nothing times them
 here), or, for a load planned key by key (``--loop-path``, or without the
@@ -157,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
                                           "load (load_lookup -> complete)": [], "whole load": []}
         limits: dict[str, list[float]] = {"memcpy": [], "copy+checksum": []}
         inside: dict[str, list[float]] = {}
-        wrapped = [(NodeClient, "lookup"), (NodeClient, "_receive_sent"), (NodeClient, "read"), (NodeClient, "read_here"), (LeaseSlots, "rows_copy"),
+        wrapped = [(NodeClient, "lookup"), (NodeClient, "start_lookup_direct"), (NodeClient, "_direct_answer"),
+                   (NodeClient, "_receive_sent"), (NodeClient, "read"), (NodeClient, "read_here"), (LeaseSlots, "rows_copy"),
                    (LeaseSlots, "_plan_and_copy"), (LeaseSlots, "_plan"), (LeaseSlots, "_copy_and_verify"),
                    (WorkerSide, "_read"), (Connection, "recv_payloads")]
         in_place = WorkerSide.load_in_place

@@ -217,7 +217,7 @@ class Worker:
         assert self.current is not None
         deadline = self.current[3] + self.bound
         future = getattr(item, "_future", None)
-        if isinstance(future, concurrent.futures.Future):
+        if isinstance(future, concurrent.futures.Future) and not getattr(item, "answered_by_polling", False):
             event = threading.Event()
             future.add_done_callback(lambda _f: event.set())
             event.wait(max(0.0, deadline - time.monotonic()))

@@ -64,8 +64,8 @@ async def test_load_whose_lease_the_node_no_longer_honours_is_refused_before_any
     assert answered(handle)["full"] == [True, True]
 
     async def drop_connections() -> None:
-        client = reader._clients[node.address]  # noqa: SLF001 - what a blip does to the pool
-        for session in list(client._idle):  # noqa: SLF001
+        client = reader._clients[node.address]  # noqa: SLF001 - what a blip does to every connection
+        for session in list(client._sessions):  # noqa: SLF001 - the pool's, and the direct channel the lookup used
             session.conn.abort()
 
     reader._loop.run(drop_connections(), 10)  # noqa: SLF001
