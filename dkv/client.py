@@ -241,7 +241,7 @@ class PendingLookup:
     def __init__(self, client: NodeClient, asked: _DirectLookup, pending: PendingReply) -> None:
         self._client = client
         self._asked = asked
-        self._pending = pending
+        self._pending: PendingReply | None = pending  # let go of once judged: its buffer may hold the sent blocks
         self._result: LookupResult | None = None
         self._failure: BaseException | None = None
         self._judging = threading.Lock()
@@ -260,20 +260,24 @@ class PendingLookup:
 
     def abort(self) -> None:
         """Settle it failed, closing the channel (nothing once it settled)."""
-        self._pending.abort()
+        pending = self._pending
+        if pending is not None:
+            pending.abort()
         if self._asked.channel.closed:
             self._client._lost(self._asked.direct)  # noqa: SLF001 - the client's own session
 
     def _judge(self) -> None:
-        client = self._client
+        client, pending = self._client, self._pending
+        assert pending is not None  # (unjudged)
         try:
-            got = self._pending.poll()
+            got = pending.poll()
         except Exception as exc:  # noqa: BLE001 - kept, raised by this poll and every later one
             client._direct_failed(self._asked, exc)  # noqa: SLF001
-            self._failure = exc
+            self._failure, self._pending = exc, None
             return
         if got is None:
             return
+        self._pending = None  # (the blocks it brought are the lease's now, kept by the client within its bound)
         try:
             self._result = client._direct_answer(self._asked, *got)  # noqa: SLF001
         except Exception as exc:  # noqa: BLE001 - an error reply, or blocks that do not match the request
