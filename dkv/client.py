@@ -48,7 +48,7 @@ from dkv.checksum import CHECKSUM_SIZE, block_checksum, block_prefixes, is_check
 from dkv.checksum import verify as checksum_matches
 from dkv.copy_threads import ChunkedCopy, PostedCopy
 from dkv.credentials import read_local_credential
-from dkv.direct_channel import ChannelBusy, ChannelClosed, DirectChannel, PendingReply
+from dkv.direct_channel import ChannelBusy, ChannelClosed, DirectChannel, PendingReply, PolledOutcome
 from dkv.errors import (
     AuthError,
     ChecksumMismatch,
@@ -228,7 +228,7 @@ class _DirectLookup:
     sent_at: float
 
 
-class PendingLookup:
+class PendingLookup(PolledOutcome):
     """A leased lookup sent over the direct channel, its answer read by :meth:`poll` (see :meth:`NodeClient.start_lookup_direct`).
 
     :meth:`poll` (any thread, never blocks) answers ``None`` until the
@@ -239,24 +239,14 @@ class PendingLookup:
     """
 
     def __init__(self, client: NodeClient, asked: _DirectLookup, pending: PendingReply) -> None:
+        super().__init__()
         self._client = client
         self._asked = asked
         self._pending: PendingReply | None = pending  # let go of once judged: its buffer may hold the sent blocks
-        self._result: LookupResult | None = None
-        self._failure: BaseException | None = None
-        self._judging = threading.Lock()
 
     def poll(self) -> LookupResult | None:
         """Any thread: the lookup's result once its answer is whole, else ``None``; raises the lookup's failure."""
-        if self._result is None and self._failure is None and self._judging.acquire(blocking=False):
-            try:
-                if self._result is None and self._failure is None:
-                    self._judge()
-            finally:
-                self._judging.release()
-        if self._failure is not None:
-            raise self._failure
-        return self._result
+        return super().poll()  # type: ignore[no-any-return]
 
     def abort(self) -> None:
         """Settle it failed, closing the channel (nothing once it settled)."""
@@ -266,7 +256,8 @@ class PendingLookup:
         if self._asked.channel.closed:
             self._client._lost(self._asked.direct)  # noqa: SLF001 - the client's own session
 
-    def _judge(self) -> None:
+    def _step(self) -> None:
+        """Read what has arrived; once the answer is whole, judge it (as :meth:`NodeClient.lookup_direct` does)."""
         client, pending = self._client, self._pending
         assert pending is not None  # (unjudged)
         try:
@@ -279,7 +270,7 @@ class PendingLookup:
             return
         self._pending = None  # (the blocks it brought are the lease's now, kept by the client within its bound)
         try:
-            self._result = client._direct_answer(self._asked, *got)  # noqa: SLF001
+            self._outcome = client._direct_answer(self._asked, *got)  # noqa: SLF001
         except Exception as exc:  # noqa: BLE001 - an error reply, or blocks that do not match the request
             self._failure = exc
 

@@ -244,7 +244,42 @@ class DirectChannel:
                 pass
 
 
-class PendingReply:
+class PolledOutcome:
+    """One outcome, reached by steps that any thread takes when it polls: one thread at a time, none waiting.
+
+    :meth:`poll` takes a step (:meth:`_step`, a subclass's) unless the
+    outcome is settled or another thread is taking one, then answers the
+    outcome (``None`` until settled) or raises the failure, every time
+    after too. A step settles it by setting ``_outcome`` or ``_failure``.
+    """
+
+    def __init__(self) -> None:
+        self._outcome: Any = None
+        self._failure: BaseException | None = None
+        self._stepping = threading.Lock()
+
+    @property
+    def settled(self) -> bool:
+        """Whether the outcome is reached, or failed (no system call)."""
+        return self._outcome is not None or self._failure is not None
+
+    def poll(self) -> Any:
+        """Any thread, never blocks: a step if one is due; the outcome once settled (else ``None``), or its failure."""
+        if not self.settled and self._stepping.acquire(blocking=False):
+            try:
+                if not self.settled:
+                    self._step()
+            finally:
+                self._stepping.release()
+        if self._failure is not None:
+            raise self._failure
+        return self._outcome
+
+    def _step(self) -> None:
+        raise NotImplementedError
+
+
+class PendingReply(PolledOutcome):
     """A request :meth:`DirectChannel.begin` sent, whose reply is read by :meth:`poll` without ever blocking.
 
     Contract:
@@ -264,6 +299,7 @@ class PendingReply:
 
     def __init__(self, channel: DirectChannel, sock: socket.socket, deadline: float, timeout: float,
                  room: int) -> None:
+        super().__init__()
         self._channel = channel
         self._sock = sock
         self._deadline = deadline
@@ -276,34 +312,18 @@ class PendingReply:
         self._reply: dict[str, Any] | None = None
         self._payload_at = 0  # the sent bytes lie in _buffer from here (0 in a buffer of their own)
         self._payload_end: int | None = None  # ... to here, once the reply named them
-        self._outcome: tuple[dict[str, Any], memoryview | None] | None = None
-        self._failure: BaseException | None = None
-        self._polling = threading.Lock()
-
-    @property
-    def settled(self) -> bool:
-        """Whether the reply is whole, or the exchange failed (no system call)."""
-        return self._outcome is not None or self._failure is not None
 
     def poll(self) -> tuple[dict[str, Any], memoryview | None] | None:
         """Any thread, never blocks: the reply and its bytes once whole, else ``None`` (see the class)."""
-        if not self.settled and self._polling.acquire(blocking=False):
-            try:
-                if not self.settled:
-                    self._advance()
-            finally:
-                self._polling.release()
-        if self._failure is not None:
-            raise self._failure
-        return self._outcome
+        return super().poll()  # type: ignore[no-any-return]
 
     def abort(self) -> None:
         """Settle now, failed, closing the channel (safe from any thread; nothing once settled)."""
-        with self._polling:
+        with self._stepping:
             if not self.settled:
                 self._fail(TransportError(f"the exchange on the direct channel {self._channel.peer} was aborted"))
 
-    def _advance(self) -> None:
+    def _step(self) -> None:
         """Read what has arrived; settle when the reply is whole or the exchange failed."""
         channel = self._channel
         try:

@@ -9,8 +9,9 @@ leases, loads bit-exact (on the listener path from the bytes the answer
 brought), a handle nobody polls still completes and an abandoned one still
 ends its lease, a hung node costs the same bounded miss and backoff, a
 channel lost mid-lookup asks again on the loop, a handle that finds the
-channel busy takes the loop, a shutdown settles what is pending, and with
-``lookup_in_place`` off none of it happens.
+channel busy takes the loop, a shutdown settles what is pending, and
+``start_lookup_in_place`` chooses it apart from ``lookup()`` (with both
+off, see ``test_connector_in_place.py``, none of it happens).
 """
 
 from __future__ import annotations
@@ -152,20 +153,6 @@ def test_a_shutdown_settles_a_handle_still_unanswered(node_factory, connectors, 
         assert handle.is_complete() and handle.result() == {"full": [False] * 4, "swa": [False] * 4}
     finally:
         node.resume()
-
-
-def test_with_lookup_in_place_off_no_handle_is_answered_in_place(node_factory, connectors) -> None:
-    node = node_factory()
-    conn = connectors(node.address, lookup_in_place=False)
-    hashes = chain(2)
-    offload_chain(conn, conn._blocks, hashes)  # noqa: SLF001
-    for _ in range(10):
-        handle = conn.start_lookup(hashes)
-        assert not handle.answered_by_polling
-        assert answered(handle) == {"full": [True, True], "swa": [True, True]}
-        conn.abandon_lookup(handle)
-        time.sleep(0.01)
-    assert conn.counters.lookups_in_place == 0
 
 
 def test_start_lookup_in_place_is_a_choice_of_its_own(node_factory, connectors) -> None:

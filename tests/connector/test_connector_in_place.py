@@ -31,7 +31,7 @@ from dkv.keys import BlockKey
 from tests.conftest import node_stats, wait_for_stats
 from tests.copy_hooks import watch_copies
 from tests.connector.conftest import PAGE_BYTES, device_blocks, two_leaves
-from tests.connector.test_connector import BOUND, chain, fill, offload_chain, wait
+from tests.connector.test_connector import BOUND, answered, chain, fill, offload_chain, wait
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -157,6 +157,10 @@ def test_with_lookup_in_place_off_every_lookup_and_load_takes_the_loop(node_fact
     hashes = chain(2)
     offload_chain(conn, conn._blocks, hashes)  # noqa: SLF001
     for _ in range(20):
+        handle = conn.start_lookup(hashes)  # (start_lookup_in_place follows lookup_in_place)
+        assert not handle.answered_by_polling
+        assert answered(handle) == {"full": [True, True], "swa": [True, True]}
+        conn.abandon_lookup(handle)
         assert conn.lookup(hashes) == {"full": [True, True], "swa": [True, True]}
         time.sleep(0.01)
     wait(conn.load({"full": [1, 2]}, {"full": hashes}))

@@ -290,6 +290,28 @@ def test_a_reply_without_sent_to_a_request_that_made_room_brings_no_bytes(pair) 
     assert not channel.closed
 
 
+def _polled(pending, bound: float = 10.0):  # noqa: ANN001, ANN202
+    """Poll ``pending`` until it answers (each poll returns at once), within ``bound`` seconds."""
+    deadline = time.monotonic() + bound
+    while True:
+        got = pending.poll()
+        if got is not None:
+            return got
+        assert time.monotonic() < deadline, "the pending reply never settled"
+        time.sleep(0.0005)
+
+
+def _exchanged(channel: DirectChannel, how: str, message: dict, room: int, timeout: float = 10.0):  # noqa: ANN202
+    """One exchange, ``how``: in one blocking call (``exchange_with``), or begun and then polled for (``begin``)."""
+    if how == "exchange_with":
+        return channel.exchange_with(message, timeout, room=room)
+    return _polled(channel.begin(message, timeout, room=room))
+
+
+BOTH_WAYS = pytest.mark.parametrize("how", ["exchange_with", "begin"])
+
+
+@BOTH_WAYS
 @pytest.mark.parametrize("reply, room", [
     (_with_blocks([b"x" * 10]), 0),  # bytes the request did not ask for
     (_with_blocks([b"x" * 10]), 9),  # more than it asked for
@@ -299,18 +321,20 @@ def test_a_reply_without_sent_to_a_request_that_made_room_brings_no_bytes(pair) 
     (_frame({"ok": True, "sent": [10]}), 100),
     (_with_blocks([b"x" * 10]) + b"more", 100),  # past what it names
     (_frame({"ok": True}) + b"x" * 10, 100),  # bytes after a reply that names none
+    (_frame({"ok": True}) + b"x", 0),  # bytes past the frame of a request that asked for none
 ], ids=["unasked", "over-the-room", "negative", "bool", "not-a-list", "sent-not-a-map", "past-the-blocks",
-        "none-named"])
+        "none-named", "past-the-frame"])
 def test_a_reply_whose_bytes_do_not_match_what_was_asked_is_a_protocol_error_and_closes(pair, reply: bytes,
-                                                                                         room: int) -> None:
+                                                                                         room: int, how: str) -> None:
     channel, theirs = pair
     FakeNode(theirs, lambda request: reply)
     with pytest.raises(ProtocolError):
-        channel.exchange_with({"op": "lookup", "n": 1}, 10.0, room=room)
+        _exchanged(channel, how, {"op": "lookup", "n": 1}, room)
     assert channel.closed
 
 
-def test_blocks_cut_short_by_the_node_closing_fail_and_close(pair) -> None:
+@BOTH_WAYS
+def test_blocks_cut_short_by_the_node_closing_fail_and_close(pair, how: str) -> None:
     channel, theirs = pair
 
     def short(request: dict) -> bytes:
@@ -320,8 +344,8 @@ def test_blocks_cut_short_by_the_node_closing_fail_and_close(pair) -> None:
 
     FakeNode(theirs, short)
     with pytest.raises(TransportError) as raised:
-        channel.exchange_with({"op": "lookup", "n": 1}, 10.0, room=100_000)
-    assert not isinstance(raised.value, (ChannelClosed, ProtocolError))
+        _exchanged(channel, how, {"op": "lookup", "n": 1}, 100_000)
+    assert not isinstance(raised.value, (ChannelClosed, ProtocolError, OpTimeout))
     assert channel.closed
 
 
@@ -334,17 +358,6 @@ def test_blocks_that_never_come_time_the_exchange_out(pair) -> None:
 
 
 # ---- an exchange split in two: begin() sends, poll() reads what arrived, never blocking ------------------------
-
-
-def _polled(pending, bound: float = 10.0):  # noqa: ANN001, ANN202
-    """Poll ``pending`` until it answers (each poll returns at once), within ``bound`` seconds."""
-    deadline = time.monotonic() + bound
-    while True:
-        got = pending.poll()
-        if got is not None:
-            return got
-        assert time.monotonic() < deadline, "the pending reply never settled"
-        time.sleep(0.0005)
 
 
 def test_a_begun_exchange_is_read_by_polls_that_never_block_however_its_bytes_are_cut(pair) -> None:
@@ -396,38 +409,6 @@ def test_a_begun_exchange_the_node_never_answers_fails_its_first_poll_past_the_d
     assert channel.closed and pending.settled
     with pytest.raises(ChannelClosed):
         channel.begin({"op": "x", "n": 2}, 1.0)
-
-
-@pytest.mark.parametrize("reply, room", [
-    (_with_blocks([b"x" * 10]), 0),
-    (_with_blocks([b"x" * 10]), 9),
-    (_with_blocks([b"x" * 10]) + b"more", 100),
-    (_frame({"ok": True}) + b"x" * 10, 100),
-    (_frame({"ok": True}) + b"x", 0),
-], ids=["unasked", "over-the-room", "past-the-blocks", "none-named", "past-the-frame"])
-def test_a_begun_exchange_checks_the_bytes_as_exchange_with_does(pair, reply: bytes, room: int) -> None:
-    channel, theirs = pair
-    FakeNode(theirs, lambda request: reply)
-    pending = channel.begin({"op": "lookup", "n": 1}, 10.0, room=room)
-    with pytest.raises(ProtocolError):
-        _polled(pending)
-    assert channel.closed
-
-
-def test_a_begun_exchange_cut_short_by_the_node_closing_fails_and_closes(pair) -> None:
-    channel, theirs = pair
-
-    def short(request: dict) -> bytes:
-        theirs.sendall(_with_blocks([b"x" * 100_000])[:-10])
-        theirs.shutdown(socket.SHUT_RDWR)
-        return b""
-
-    FakeNode(theirs, short)
-    pending = channel.begin({"op": "lookup", "n": 1}, 10.0, room=100_000)
-    with pytest.raises(TransportError) as raised:
-        _polled(pending)
-    assert not isinstance(raised.value, (ChannelClosed, ProtocolError, OpTimeout))
-    assert channel.closed
 
 
 def test_aborting_a_begun_exchange_or_its_channel_settles_it_failed_and_lets_go(pair) -> None:
