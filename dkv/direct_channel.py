@@ -389,6 +389,8 @@ class PendingReply(PolledOutcome):
         assert end is not None
         if got < end:
             return end - got
+        if got > end:  # (read on into the buffer's room: the node sends nothing unasked)
+            raise ProtocolError(f"{got - end} bytes past the reply's blocks: the stream is out of step")
         return self._settle(self._buffer[self._payload_at:end])
 
     def _settle(self, payload: memoryview | None) -> int:
@@ -495,7 +497,9 @@ def _receive_bytes(sock: socket.socket, buffer: memoryview, at: int, got: int, c
     if got - at > count:
         raise ProtocolError(f"{got - at - count} bytes past the reply's blocks: the stream is out of step")
     if at + count <= len(buffer):
-        _fill(sock, buffer, got, at + count, deadline, spin_ns)
+        got = _fill(sock, buffer, got, at + count, deadline, spin_ns)
+        if got > at + count:  # (read on into the buffer's room: the node sends nothing unasked)
+            raise ProtocolError(f"{got - at - count} bytes past the reply's blocks: the stream is out of step")
         return buffer[at:at + count]
     own = memoryview(bytearray(count))
     own[:got - at] = buffer[at:got]

@@ -450,3 +450,20 @@ def test_a_begin_that_cannot_send_says_the_node_never_saw_it(pair) -> None:
     with pytest.raises(ChannelClosed):
         channel.begin({"op": "x", "n": 1}, 1.0)
     assert channel.closed and not channel._lock.locked()  # noqa: SLF001
+
+
+@BOTH_WAYS
+def test_bytes_that_come_with_the_last_of_the_blocks_mean_the_stream_is_out_of_step(pair, how: str) -> None:
+    """The reply and most blocks first; the rest of the blocks and more bytes later, in one write: found out."""
+    channel, theirs = pair
+    data = _with_blocks([b"x" * 1000])
+
+    def extra_with_the_rest(request: dict) -> bytes:
+        theirs.sendall(data[:-100])
+        time.sleep(0.2)  # the reply is read and judged meanwhile; the rest comes in a read of its own
+        return data[-100:] + b"more"
+
+    FakeNode(theirs, extra_with_the_rest)
+    with pytest.raises(ProtocolError):
+        _exchanged(channel, how, {"op": "lookup", "n": 1}, 1000)
+    assert channel.closed
