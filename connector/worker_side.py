@@ -567,7 +567,9 @@ class WorkerSide:
         channel open (one is asked for, in the background), or a load of this
         connector posted but not yet begun (a lookup here could otherwise
         overtake it and end the lease it is about to read: on the loop
-        thread the load goes first).
+        thread the load goes first). The answers that arrived for handles
+        not polled yet are read first (:meth:`_settle_arrived`): each frees
+        the channel its handle holds.
         """
         if self.closed:
             return None
@@ -580,7 +582,16 @@ class WorkerSide:
             return None
         if self._loads_begun != self._loads_posted:
             return None
+        if self._in_place_lookups:  # (read without the lock: at worst one poll too few, or one of a settled handle)
+            self._settle_arrived()
         return client
+
+    def _settle_arrived(self) -> None:
+        """Any thread: poll every unsettled handle answered in place (a non-blocking read each; see :class:`InPlaceLookup`)."""
+        with self._tasks_lock:
+            waiting = list(self._in_place_lookups)
+        for lookup in waiting:
+            lookup.poll()
 
     def start_lookup_in_place(self, address: str, hashes: list[bytes], group: int, peer: bool,
                               hint: bytes | None) -> InPlaceLookup | InPlace | None:
@@ -646,10 +657,8 @@ class WorkerSide:
         try:
             while not self.closed:
                 await asyncio.sleep(IN_PLACE_WATCH_PERIOD)
-                with self._tasks_lock:
-                    waiting = list(self._in_place_lookups)
-                for lookup in waiting:
-                    lookup.poll()
+                waiting = bool(self._in_place_lookups)
+                self._settle_arrived()
                 with self._tasks_lock:
                     idle = 0 if self._in_place_lookups or waiting else idle + 1
                     if idle >= IN_PLACE_WATCH_LINGER:

@@ -20,6 +20,7 @@ import time
 
 import pytest
 
+from connector import worker_side
 from connector.dkv_connector import DKVConnector
 from connector.scheduler_side import DKVLookup
 from tests.conftest import node_stats, wait_for_stats
@@ -127,9 +128,13 @@ def test_a_channel_lost_mid_lookup_asks_again_on_the_loop(node_factory, connecto
 
 @PATHS
 def test_a_handle_that_finds_the_channel_busy_takes_the_loop(node_factory, connectors, local: bool) -> None:
-    _, _, hashes, reader = _reader(node_factory, connectors, local)
-    first = reader.start_lookup(hashes)
-    second = reader.start_lookup(hashes[:2])  # the first holds the channel until its answer is read
+    node, _, hashes, reader = _reader(node_factory, connectors, local)
+    node.pause()  # the first handle's answer cannot have arrived when the second starts
+    try:
+        first = reader.start_lookup(hashes)
+        second = reader.start_lookup(hashes[:2])  # the first holds the channel until its answer is read
+    finally:
+        node.resume()
     assert first.answered_by_polling and not second.answered_by_polling
     assert answered(second) == {"full": [True] * 2, "swa": [True] * 2}
     assert answered(first) == {"full": [True] * 4, "swa": [True] * 4}
@@ -178,3 +183,26 @@ def test_start_lookup_in_place_is_a_choice_of_its_own(node_factory, connectors) 
     counted = handles_only.counters.lookups_in_place
     assert handles_only.lookup(hashes) == {"full": [True, True], "swa": [True, True]}
     assert handles_only.counters.lookups_in_place == counted, "lookup() ran in place with lookup_in_place off"
+
+
+@PATHS
+def test_an_answer_that_arrived_unpolled_is_read_by_the_next_lookup_which_then_runs_in_place(
+        node_factory, connectors, monkeypatch, local: bool) -> None:
+    monkeypatch.setattr(worker_side, "IN_PLACE_WATCH_PERIOD", 30.0)  # the loop thread does not read it meanwhile
+    _, _, hashes, reader = _reader(node_factory, connectors, local)
+    first = reader.start_lookup(hashes)
+    assert first.answered_by_polling
+    time.sleep(0.3)  # its answer arrives; its owner does not poll
+    assert not first._future.done()  # noqa: SLF001 - nobody read it yet
+    second = reader.start_lookup(hashes[:2])
+    assert second.answered_by_polling, "the channel stayed held by an answer that had arrived"
+    assert first._future.done()  # noqa: SLF001 - read on the way, for its owner
+    assert answered(first) == {"full": [True] * 4, "swa": [True] * 4}
+    assert answered(second) == {"full": [True] * 2, "swa": [True] * 2}
+    counted = reader.counters.lookups_in_place
+    third = reader.start_lookup(hashes)
+    time.sleep(0.3)
+    assert reader.lookup(hashes[:1]) == {"full": [True], "swa": [True]}  # lookup() reads it too, then runs in place
+    assert reader.counters.lookups_in_place == counted + 2 and third._future.done()  # noqa: SLF001
+    for handle in (first, second, third):
+        reader.abandon_lookup(handle)
