@@ -100,6 +100,7 @@ from connector.worker_side import (
     Transfer,
     WorkerSide,
 )
+from dkv.client import DIRECT_CHANNELS
 from dkv.errors import DKVError, OpTimeout
 from dkv.etcd import DEFAULT_CLUSTER, DEFAULT_PREFIX, EtcdSettings, Layout
 from dkv.gil import DEFAULT_SWITCH_INTERVAL, check_switch_interval, hold_switch_interval, release_switch_interval
@@ -147,6 +148,7 @@ class DKVConnector:
         gil_switch_interval: float | None = DEFAULT_SWITCH_INTERVAL,
         lookup_payload_bytes: int = LOOKUP_PAYLOAD_BYTES,
         reply_spin: float = REPLY_SPIN,
+        direct_channels: int = DIRECT_CHANNELS,
     ) -> None:
         """Any thread (the engine's, once): connect to the co-located node at ``node`` and, with ``etcd``, follow the cluster.
 
@@ -210,9 +212,19 @@ class DKVConnector:
         wake-up cost ~60 µs of a ~220 µs one-block same-host load here; see
         :mod:`dkv.polling`). The calling thread's core is busy meanwhile. 0
         never polls.
+
+        ``direct_channels`` (default :data:`dkv.client.DIRECT_CHANNELS`, 4):
+        direct channels each node client opens at most. One holds a
+        ``start_lookup`` handle until its answer is read; a lookup that finds
+        every open one held asks for one more (in the background, one a
+        second at most) and goes through the loop meanwhile, so a scheduler
+        that starts several lookups in a step gets up to this many in place.
+        Each is a connection the node counts against its caps.
         """
         if lookup_payload_bytes < 0:
             raise ValueError(f"lookup_payload_bytes must not be negative, not {lookup_payload_bytes}")
+        if type(direct_channels) is not int or direct_channels < 1:  # noqa: E721 - (bool is no count)
+            raise ValueError(f"direct_channels must be an int of at least 1, not {direct_channels!r}")
         self._reply_spin = check_reply_spin(reply_spin)
         self.namespace = check_namespace(namespace)
         if gil_switch_interval is not None:
@@ -234,7 +246,7 @@ class DKVConnector:
                                   tenant=tenant, timeout=timeout, local=local, checksums=checksums,
                                   etcd=etcd_target, layout=layout, peer_idle_timeout=peer_idle_timeout,
                                   lookup_in_place=lookup_in_place, lookup_payload_bytes=lookup_payload_bytes,
-                                  reply_spin=reply_spin,
+                                  reply_spin=reply_spin, direct_channels=direct_channels,
                                   start_lookup_in_place=(lookup_in_place if start_lookup_in_place is None
                                                          else start_lookup_in_place))
         hold_switch_interval(gil_switch_interval)  # (checked above: it does not raise)

@@ -41,7 +41,7 @@ from connector.scheduler_side import LEASE_MARGIN, LeaseState, SchedulerSide
 from connector.transfer_plan import TransferPlan
 from connector.types import ByteCount, CompletedTransfer, KVLoadFailed
 from connector.lease_budget import Slot
-from dkv.client import LookupResult, NodeClient, PendingLookup
+from dkv.client import DIRECT_CHANNELS, LookupResult, NodeClient, PendingLookup
 from dkv import held_gil
 from dkv.copy_threads import ChunkedCopy, PostedCopy
 from dkv.lease_slots import LeaseSlots, RowRun
@@ -290,7 +290,8 @@ class WorkerSide:
                  token: bytes | None, tenant: str | None, timeout: float, local: bool | None, checksums: bool,
                  etcd: str | EtcdSettings | None, layout: Layout | None, peer_idle_timeout: float,
                  lookup_in_place: bool = True, lookup_payload_bytes: int = LOOKUP_PAYLOAD_BYTES,
-                 reply_spin: float = REPLY_SPIN, start_lookup_in_place: bool = True) -> None:
+                 reply_spin: float = REPLY_SPIN, start_lookup_in_place: bool = True,
+                 direct_channels: int = DIRECT_CHANNELS) -> None:
         """Any thread (construction); nothing is started until :meth:`start` runs on the loop."""
         self.sched = sched
         self.loop = loop
@@ -308,6 +309,7 @@ class WorkerSide:
         self._start_in_place = start_lookup_in_place  # start_lookup() may too (see start_lookup_in_place)
         self._lookup_payload = lookup_payload_bytes  # listener lookups ask for their blocks' bytes up to this
         self._reply_spin = reply_spin  # a direct channel's replies are polled for this long before a sleep
+        self._direct_channels = direct_channels  # each node client's direct channels at most
         self.host_bytes = ByteCount(free=0, total=0)
         self.disk_bytes = ByteCount(free=0, total=0)
         devices = {t.device for replica in sched.blocks for shards in replica.values() for t in shards}
@@ -376,7 +378,7 @@ class WorkerSide:
                 raise RuntimeError(f"no client of {address}: clients are made on the loop thread")
             client = TrackedClient(address, self.namespace, token=self._token, tenant=self._tenant,
                                    timeout=self.timeout, local=self._local_path, checksums=self._checksums,
-                                   reply_spin=self._reply_spin)
+                                   reply_spin=self._reply_spin, direct_channels=self._direct_channels)
             self.clients[address] = client
             if address != self.node_address and self._sweeper is None and not self.closed:
                 self._sweeper = asyncio.get_running_loop().create_task(
@@ -544,7 +546,9 @@ class WorkerSide:
             self.sched.budget.give_back(address, slot)
             raise
         except TransportError as exc:  # not sent (ChannelBusy, ChannelClosed), or the connection failed mid-way
-            if not isinstance(exc, (ChannelBusy, ChannelClosed)):
+            if isinstance(exc, ChannelBusy):
+                self._want_another_channel(client)
+            elif not isinstance(exc, ChannelClosed):
                 log.debug("the direct channel to %s failed mid-lookup (%s): asking on the loop", address, exc)
             if taken:
                 self.sched.budget.give_back(address, slot)
@@ -586,6 +590,16 @@ class WorkerSide:
             self._settle_arrived()
         return client
 
+    def _want_another_channel(self, client: TrackedClient) -> None:
+        """Scheduler thread: every direct channel to the node was busy: ask for one more, where the client may open one.
+
+        Each open channel holds a handle whose answer is not read yet; with
+        one more, the next lookup of a step like this one goes in place too
+        (see :data:`dkv.client.DIRECT_CHANNELS`).
+        """
+        if client.direct_possible:
+            self.call_soon(client.want_direct)
+
     def _settle_arrived(self) -> None:
         """Any thread: poll every unsettled handle answered in place (a non-blocking read each; see :class:`InPlaceLookup`)."""
         with self._tasks_lock:
@@ -619,8 +633,10 @@ class WorkerSide:
         except OpTimeout:
             self.sched.budget.give_back(address, slot)
             raise
-        except TransportError:  # not sent (ChannelBusy, ChannelClosed), or the connection failed as it was
+        except TransportError as exc:  # not sent (ChannelBusy, ChannelClosed), or the connection failed as it was
             self.sched.budget.give_back(address, slot)
+            if isinstance(exc, ChannelBusy):
+                self._want_another_channel(client)
             return InPlace.NOT_TAKEN
         except BaseException:
             self.sched.budget.give_back(address, slot)

@@ -52,6 +52,7 @@ from dkv.direct_channel import ChannelBusy, ChannelClosed, DirectChannel, Pendin
 from dkv.errors import (
     AuthError,
     ChecksumMismatch,
+    ConfigError,
     DKVError,
     OpTimeout,
     PeerUnauthenticated,
@@ -107,6 +108,10 @@ LEASE_CLOCK_MARGIN = 0.5  # a same-host copy starts at least this long before th
 END_FLUSH_DELAY = 0.05  # a loaded lease no lookup ended by then is ended by an ``end`` request of its own
 DIRECT_RETRY_AFTER = 1.0  # seconds before another attempt to open a direct channel (see NodeClient.want_direct)...
 DIRECT_RETRY_MAX = 30.0  # ...doubled after each one that failed, up to this (a node at its connection cap, say)
+# Direct channels a client opens at most to one node. The first opens when a lookup in place first wants one;
+# each further one only when a lookup found every open channel busy (another handle's answer not yet read),
+# one per DIRECT_RETRY_AFTER at most, so a scheduler that starts several lookups in a step gets each in place.
+DIRECT_CHANNELS = 4
 # Listener path: control requests (lookups, probes, touches, releases, ends) go over the node's TCP control socket,
 # at most this many of its connections kept idle; one that fails to open sends them over UCX for
 # CONTROL_RETRY_AFTER s (see NodeClient._control_usable)
@@ -344,7 +349,10 @@ class NodeClient:
         retries: int = 3,
         checksums: bool = True,
         reply_spin: float = REPLY_SPIN,
+        direct_channels: int = DIRECT_CHANNELS,
     ) -> None:
+        if direct_channels < 1:
+            raise ConfigError(f"direct_channels must be at least 1, not {direct_channels}")
         self.host, self.port = parse_address(address)
         self.address = address
         self.namespace = check_namespace(namespace)
@@ -356,6 +364,7 @@ class NodeClient:
         self.retries = retries
         self.checksums = checksums  # send each written block's checksum; check each read block against its own
         self.reply_spin = reply_spin  # seconds a direct channel polls for each reply before it sleeps on it
+        self.direct_channels = direct_channels  # direct channels open to the node at most (see DIRECT_CHANNELS)
         self._pool_size = pool_size
         self._idle: list[_Session] = []
         self._control_idle: list[_Session] = []  # idle sessions over the node's TCP control socket (listener path)
@@ -382,7 +391,7 @@ class NodeClient:
         self._received_bytes = 0  # held in _lease_slots' received blocks (see MAX_RECEIVED_BYTES)
         self._ends: list[int] = []  # leases loaded from on the same-host path, to end with the next request
         self._flush_asked = False  # a flush of _ends is asked for and has not run (see end_later)
-        self._direct: _Session | None = None  # the direct channel, once opened (see open_direct)
+        self._directs: list[_Session] = []  # the direct channels opened (see open_direct), the first first
         self._direct_opening: asyncio.Future[bool] | None = None
         self._direct_tried_at = -DIRECT_RETRY_AFTER
         self._direct_retry_after = DIRECT_RETRY_AFTER  # doubled by each failed attempt in a row, reset by an open
@@ -959,10 +968,19 @@ class NodeClient:
     # ---- the direct channel (leased lookups on the calling thread) ----------------------------------
 
     @property
+    def _direct(self) -> _Session | None:
+        """The first direct channel opened that is still open (``None``: none is)."""
+        return next((d for d in self._directs if not d.conn.closed), None)
+
+    @property
     def direct_ready(self) -> bool:
         """Any thread: True while a direct channel is open (:meth:`lookup_direct` may use it). Never reads the socket."""
-        direct = self._direct
-        return direct is not None and not direct.conn.closed
+        return any(not d.conn.closed for d in self._directs)
+
+    @property
+    def direct_open(self) -> int:
+        """Any thread: how many direct channels are open now (at most ``direct_channels``). Never reads a socket."""
+        return sum(1 for d in self._directs if not d.conn.closed)
 
     @property
     def direct_possible(self) -> bool:
@@ -972,17 +990,21 @@ class NodeClient:
         its same-host one on the same-host path, its TCP one
         (``peer_control``) on the listener path. With checksums (a direct
         lookup's slot map, and the blocks it may bring, are proven by them),
-        with no channel open or opening, and no attempt in the last
-        ``DIRECT_RETRY_AFTER`` s (twice that after a failed attempt, and so on
-        up to ``DIRECT_RETRY_MAX``).
+        with fewer than ``direct_channels`` open and none opening, and no
+        attempt in the last ``DIRECT_RETRY_AFTER`` s (twice that after a
+        failed attempt, and so on up to ``DIRECT_RETRY_MAX``).
         """
         return (not self._closed and (self._control is not None or self._peer_control is not None)
-                and self.checksums and not self.direct_ready
+                and self.checksums and self.direct_open < self.direct_channels
                 and self._direct_opening is None
                 and time.monotonic() - self._direct_tried_at >= self._direct_retry_after)
 
     def want_direct(self) -> None:
-        """Loop thread: open a direct channel in the background when :attr:`direct_possible` (else nothing).
+        """Loop thread: open one more direct channel in the background when :attr:`direct_possible` (else nothing).
+
+        Asked for when a lookup in place finds no channel open, or finds
+        every open one busy (each holds a handle whose answer is not read
+        yet): the channels grow one at a time, up to ``direct_channels``.
 
         The attempt is owned (cancelled by :meth:`close`); its failure is
         logged at debug level and doubles the wait before the next attempt
@@ -992,7 +1014,7 @@ class NodeClient:
         """
         if not self.direct_possible:
             return
-        self._direct_opening = task = asyncio.ensure_future(self.open_direct())
+        self._direct_opening = task = asyncio.ensure_future(self.open_direct(another=True))
         self._background.add(task)
 
         def opened(done: asyncio.Future[bool]) -> None:
@@ -1005,8 +1027,11 @@ class NodeClient:
 
         task.add_done_callback(opened)
 
-    async def open_direct(self) -> bool:
-        """Loop thread: open the direct channel now; True when one is open after.
+    async def open_direct(self, *, another: bool = False) -> bool:
+        """Loop thread: open a direct channel now, unless one is open; True when one is open after.
+
+        ``another``: open one more even where one is open, while fewer than
+        ``direct_channels`` are (True when it opened one; False at the cap).
 
         It is one more connection over the node's control socket (same-host
         path) or its TCP one (listener path), with the same handshake and the
@@ -1017,8 +1042,11 @@ class NodeClient:
         checksums only. Raises what opening a connection raises
         (:class:`~dkv.errors.NodeBusy` at the node's connection cap, say).
         """
-        if self.direct_ready:
+        if self.direct_ready and not another:
             return True
+        self._forget_closed_directs()
+        if len(self._directs) >= self.direct_channels:
+            return False
         self._direct_tried_at = time.monotonic()
         if self._closed or not self.checksums:
             return False
@@ -1029,19 +1057,25 @@ class NodeClient:
         else:
             return False
         conn = session.conn
-        if self._closed or not isinstance(conn, StreamConnection):
-            conn.abort()
-            return False
+        if self._closed or not isinstance(conn, StreamConnection) or self.direct_open >= self.direct_channels:
+            conn.abort()  # (another open reached the cap meanwhile)
+            return self.direct_ready and not another and not self._closed
         channel = DirectChannel(conn.detach(), conn.peer, max_frame=conn.max_frame, spin=self.reply_spin)
         direct = _Session(channel, session.info, session.mapping)
         with self._lock:
             self._sessions.add(direct)
-        previous, self._direct = self._direct, direct
+        self._forget_closed_directs()
+        self._directs = [*self._directs, direct]  # (a new list: the calling thread reads it without the lock)
         self._direct_retry_after = DIRECT_RETRY_AFTER
-        if previous is not None:
-            previous.conn.abort()
-            self._lost(previous)
         return True
+
+    def _forget_closed_directs(self) -> None:
+        """Loop thread: drop the direct channels that closed (each failed exchange closes its own)."""
+        closed = [d for d in self._directs if d.conn.closed]
+        if closed:
+            self._directs = [d for d in self._directs if not d.conn.closed]
+            for direct in closed:
+                self._lost(direct)
 
     def lookup_direct(self, hashes: Sequence[bytes], leaves: Sequence[str], shards: int = 1, *,
                       group: int = 0, send: int = 0) -> LookupResult:
@@ -1093,10 +1127,23 @@ class NodeClient:
 
     def _direct_lookup(self, hashes: Sequence[bytes], leaves: Sequence[str], shards: int, group: int,
                        send: int) -> _DirectLookup:
-        """A leased lookup's request for the direct channel, with the loaded leases it ends (see :meth:`lookup_direct`)."""
-        direct = self._direct
-        channel = direct.conn if direct is not None else None
-        if direct is None or not isinstance(channel, DirectChannel) or channel.closed or self._closed:
+        """A leased lookup's request for a direct channel not in use, with the loaded leases it ends (see :meth:`lookup_direct`).
+
+        :class:`~dkv.direct_channel.ChannelClosed` where no channel is open,
+        :class:`~dkv.direct_channel.ChannelBusy` where every open one is in use.
+        """
+        direct = channel = None
+        busy = False
+        for session in self._directs:
+            conn = session.conn
+            if isinstance(conn, DirectChannel) and not conn.closed:
+                if not conn.in_use:
+                    direct, channel = session, conn
+                    break
+                busy = True
+        if direct is None or channel is None or self._closed:
+            if busy and not self._closed:
+                raise ChannelBusy(f"every direct channel to {self.address} is in use")
             raise ChannelClosed(f"no direct channel to {self.address}")
         fields = self._presence_fields(hashes, leaves, shards)
         if not self._fits_one_request(len(fields["hashes"]), len(fields["leaves"]), shards):
@@ -1617,8 +1664,8 @@ class NodeClient:
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
-        direct, self._direct = self._direct, None
-        if direct is not None:
+        directs, self._directs = self._directs, []
+        for direct in directs:
             direct.conn.abort()  # a lookup on it now fails at once
             self._lost(direct)
         with self._lock:

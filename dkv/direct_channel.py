@@ -108,6 +108,11 @@ class DirectChannel:
         """True once aborted or failed. Safe from any thread; never reads the socket."""
         return self._closed
 
+    @property
+    def in_use(self) -> bool:
+        """True while an exchange holds the channel (a hint: the next exchange may still find it busy). Any thread."""
+        return self._lock.locked()
+
     def exchange(self, message: dict[str, Any], timeout: float) -> dict[str, Any]:
         """Send ``message`` and return the node's reply (decoded, not yet judged), within ``timeout`` seconds."""
         return self.exchange_with(message, timeout)[0]

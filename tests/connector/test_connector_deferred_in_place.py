@@ -16,6 +16,7 @@ off, see ``test_connector_in_place.py``, none of it happens).
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -143,6 +144,66 @@ def test_a_handle_that_finds_the_channel_busy_takes_the_loop(node_factory, conne
     third = reader.start_lookup(hashes)  # the channel is free again
     assert third.answered_by_polling and answered(third) == {"full": [True] * 4, "swa": [True] * 4}
     reader.abandon_lookup(third)
+
+
+@PATHS
+async def test_a_step_that_starts_two_lookups_gets_both_in_place_once_a_second_channel_opened(
+        node_factory, connectors, local: bool) -> None:
+    node, writer, hashes, reader = _reader(node_factory, connectors, local)
+    client = reader._clients[node.address]  # noqa: SLF001
+    assert client.direct_open == 1
+    deadline = time.monotonic() + BOUND
+    steps = 0
+    while True:  # as a scheduler's steps: the first finds one channel busy and asks for another
+        node.pause()  # neither answer can have arrived when the second starts
+        try:
+            first = reader.start_lookup(hashes)
+            second = reader.start_lookup(hashes[:2])
+        finally:
+            node.resume()
+        steps += 1
+        assert answered(first) == {"full": [True] * 4, "swa": [True] * 4}
+        assert answered(second) == {"full": [True] * 2, "swa": [True] * 2}
+        both = first.answered_by_polling and second.answered_by_polling
+        if both:
+            break
+        assert first.answered_by_polling, "the first of a step took the loop"
+        reader.abandon_lookup(first)
+        reader.abandon_lookup(second)
+        assert time.monotonic() < deadline, "the second handle of a step never went in place"
+        time.sleep(0.05)
+    assert steps > 1 and client.direct_open == 2, "channels opened that no step asked for"
+    wait(reader.load_lookup(second, {"full": [1, 2]}, {"full": hashes[:2]}))
+    assert _rows(reader, "full", [1, 2]) == _rows(writer, "full", [1, 2])
+    reader.abandon_lookup(first)
+    assert (await wait_for_stats(node.address, lambda s: s["leases"] == 0))["leases"] == 0
+
+
+@PATHS
+def test_a_lookup_call_that_finds_the_channel_held_takes_the_loop_and_asks_for_another(
+        node_factory, connectors, local: bool) -> None:
+    node, _, hashes, reader = _reader(node_factory, connectors, local)
+    client = reader._clients[node.address]  # noqa: SLF001
+    client._direct_tried_at = -1e9  # noqa: SLF001 - as if the wait between attempts had passed
+    counted = reader.counters.lookups_in_place
+    node.pause()
+    resumer = threading.Timer(0.3, node.resume)  # the lookup() below starts while the node is paused
+    try:
+        held = reader.start_lookup(hashes)  # holds the one channel: its answer cannot arrive while paused
+        assert held.answered_by_polling
+        resumer.start()
+        assert reader.lookup(hashes[:2]) == {"full": [True] * 2, "swa": [True] * 2}
+    finally:
+        resumer.cancel()
+        resumer.join()
+        node.resume()
+    assert answered(held) == {"full": [True] * 4, "swa": [True] * 4}
+    reader.abandon_lookup(held)
+    deadline = time.monotonic() + BOUND
+    while client.direct_open < 2:
+        assert time.monotonic() < deadline, "no second channel was asked for"
+        time.sleep(0.01)
+    assert reader.counters.lookups_in_place == counted + 1  # the handle only: lookup() went through the loop
 
 
 @PATHS

@@ -151,6 +151,13 @@ def test_a_reply_spin_out_of_its_bounds_is_refused_before_anything_starts(reply_
                      reply_spin=reply_spin)
 
 
+@pytest.mark.parametrize("direct_channels", [0, -1, 1.5, True])
+def test_a_direct_channel_count_below_one_or_not_an_int_is_refused_before_anything_starts(direct_channels) -> None:
+    with pytest.raises(ValueError, match="direct_channels"):
+        DKVConnector(two_leaves(1), device_blocks(two_leaves(1)), namespace="ns", node="127.0.0.1:1",
+                     direct_channels=direct_channels)
+
+
 def test_with_lookup_in_place_off_every_lookup_and_load_takes_the_loop(node_factory, connectors) -> None:
     node = node_factory()
     conn = connectors(node.address, lookup_in_place=False)

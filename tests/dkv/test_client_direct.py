@@ -27,8 +27,8 @@ import pytest
 
 from dkv.checksum import block_checksum
 from dkv.client import DIRECT_RETRY_AFTER, DIRECT_RETRY_MAX, NodeClient, NodeInfo, _Session
-from dkv.direct_channel import ChannelClosed, DirectChannel, _peer_closed
-from dkv.errors import NodeBusy, OpTimeout, ProtocolError
+from dkv.direct_channel import ChannelBusy, ChannelClosed, DirectChannel, _peer_closed
+from dkv.errors import ConfigError, NodeBusy, OpTimeout, ProtocolError
 from dkv.wire import HEADER_SIZE, decode_body, decode_header, encode_body, encode_header
 from dkv.keys import BlockKey
 from tests.conftest import node_stats, wait_for_stats
@@ -73,7 +73,7 @@ async def test_a_direct_lookup_answers_as_a_lookup_does_and_its_load_takes_no_ro
     monkeypatch.setattr("dkv.client.END_FLUSH_DELAY", 600.0)  # a loaded lease ends only with the next request
     held = await _held(node_factory, clients)
     node, hashes, data, reader, raw = held.node, held.hashes, held.data, held.reader, held.raw
-    assert raw.direct_ready and not raw.direct_possible
+    assert raw.direct_ready and raw.direct_open == 1
 
     found = raw.lookup_direct(hashes + [os.urandom(32)], ["L", "other"], group=1)
     assert found.masks == {"L": [True] * HELD + [False], "other": [False] * (HELD + 1)}
@@ -194,6 +194,82 @@ async def test_a_direct_channel_the_node_closed_is_found_out_before_sending_and_
     assert await reader.release(again.lease_id)
 
 
+def _answered(pending: Any) -> Any:
+    """Poll a begun direct lookup until it answers (each poll reads what arrived, never blocking)."""
+    deadline = time.monotonic() + 30
+    while (result := pending.poll()) is None:
+        assert time.monotonic() < deadline, "the begun lookup never answered"
+        time.sleep(0.001)
+    return result
+
+
+@pytest.mark.parametrize("listener", [False, True], ids=["same-host", "listener"])
+async def test_a_lookup_that_finds_every_channel_busy_is_not_sent_and_one_more_channel_takes_it(
+        node_factory, clients, listener) -> None:
+    node = node_factory("--pool", "16MiB")
+    hashes, data = await _stored(clients(node.address, local=False))
+    reader = clients(node.address, local=not listener, direct_channels=2)
+    await reader.connect()
+    assert await reader.open_direct()
+    raw = reader._target  # noqa: SLF001
+    first = raw.start_lookup_direct(hashes, ["L"], group=1)  # holds the one channel until its answer is read
+    with pytest.raises(ChannelBusy):
+        raw.start_lookup_direct(hashes, ["L"], group=2)
+    with pytest.raises(ChannelBusy):
+        raw.lookup_direct(hashes, ["L"], group=2)
+    raw._direct_tried_at = -1e9  # noqa: SLF001 - as if the wait between attempts had passed
+    assert raw.direct_possible  # one more may open: one of two is
+    reader.want_direct()
+    deadline = time.monotonic() + 30
+    while raw.direct_open < 2:
+        assert time.monotonic() < deadline, "the second channel never opened"
+        await asyncio.sleep(0.01)
+    second = raw.start_lookup_direct(hashes, ["L"], group=2)  # on the second channel, the first still held
+    with pytest.raises(ChannelBusy):
+        raw.start_lookup_direct(hashes, ["L"], group=3)
+    raw._direct_tried_at = -1e9  # noqa: SLF001
+    assert not raw.direct_possible  # at the cap
+    assert not await reader.open_direct(another=True)
+    assert raw.direct_open == 2
+    answers = [_answered(second), _answered(first)]  # read in either order: each channel its own stream
+    for answer in answers:
+        assert answer.masks == {"L": [True] * HELD}
+    assert answers[0].lease_id != answers[1].lease_id
+    stats = await node_stats(node.address)
+    assert stats["leases"] == 2 and stats["ops"]["lookup"] == 2, stats
+    for answer in answers:  # each lease loads what it found
+        dests = [bytearray(BLOCK) for _ in range(HELD)]
+        await reader.read(answer.lease_id, [BlockKey("L", 0, h) for h in hashes], dests)
+        assert [bytes(d) for d in dests] == data
+    third = raw.lookup_direct(hashes[:1], ["L"], group=3)  # both answered: the channels are free again
+    assert third.masks == {"L": [True]}
+    await reader.release(third.lease_id)
+
+
+@pytest.mark.parametrize("channels", [0, -2])
+def test_a_client_needs_at_least_one_direct_channel(channels: int) -> None:
+    with pytest.raises(ConfigError, match="direct_channels"):
+        NodeClient("127.0.0.1:1", "ns", direct_channels=channels)
+
+
+async def test_a_closed_direct_channel_is_forgotten_and_another_opens_in_its_place(node_factory, clients) -> None:
+    held = await _held(node_factory, clients, direct_channels=2)
+    hashes, reader, raw = held.hashes, held.reader, held.raw
+    generation = raw.lease_generation
+    assert await reader.open_direct(another=True)
+    assert raw.direct_open == 2
+    first = raw._direct.conn  # noqa: SLF001
+    found = raw.lookup_direct(hashes, ["L"], group=1)
+    first.abort()  # the first goes: the second serves, and the lease stays (the client has connections open)
+    assert raw.direct_open == 1 and raw._direct.conn is not first  # noqa: SLF001
+    again = raw.lookup_direct(hashes, ["L"], group=2)
+    assert again.masks == {"L": [True] * HELD}
+    assert not raw.leases_lost_since(generation)
+    assert await reader.open_direct(another=True)  # one opens in its place: the closed one no longer counts
+    assert raw.direct_open == 2 and len(raw._directs) == 2  # noqa: SLF001
+    assert await reader.release(found.lease_id) and await reader.release(again.lease_id)
+
+
 async def test_failed_attempts_at_a_direct_channel_back_off_and_one_that_opens_resets_the_wait(
         node_factory, clients, monkeypatch) -> None:
     held = await _held(node_factory, clients)
@@ -282,8 +358,9 @@ class _FakeNode:
         client = NodeClient("127.0.0.1:1", "ns")
         info = NodeInfo("fake", "1", "elsewhere", {})
         client.info = info
-        client._direct = _Session(self.channel, info)  # noqa: SLF001
-        client._sessions.add(client._direct)  # noqa: SLF001
+        direct = _Session(self.channel, info)
+        client._directs = [direct]  # noqa: SLF001
+        client._sessions.add(direct)  # noqa: SLF001
         return client
 
 
