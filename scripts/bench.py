@@ -108,6 +108,7 @@ GOAL_LOOKUP_256_US = 300.0
 GOAL_CALL_P50_US, GOAL_CALL_P99_US = 100.0, 300.0
 GOAL_RSS_OVER_POOL = 150 * MiB
 CPYTHON_SWITCH_INTERVAL = 0.005  # the interpreter's default GIL switch interval, the busy caller's baseline
+STEP_LOOKUPS = 4  # one-block lookups a busy caller starts in one scheduler step (one per request it admits)
 
 THROUGHPUT = ("memcpy", "tcp_stream", "ucx_stream", "redis_mget", "redis_pipe_get", "redis_pipe_set",
               "dkv_load_local", "dkv_load_listener", "dkv_offload_local", "dkv_offload_listener")
@@ -123,6 +124,7 @@ LABELS = {
     "dkv_one_block_local": "dKV 1-block load, same-host", "dkv_one_block_listener": "dKV 1-block load, listener",
     "dkv_one_block_listener_busy": "dKV 1-block load, listener, caller busy in Python",
     "dkv_one_block_listener_busy_5ms": "the same at CPython's 5 ms switch interval",
+    "dkv_step_lookups_listener_busy": f"dKV {STEP_LOOKUPS} lookups in one step, listener, caller busy",
 }
 REDIS_PORT_ATTEMPTS = 5  # redis-server started again on another port while the one picked is taken first
 REDIS_START_TIMEOUT = 15.0
@@ -1058,6 +1060,25 @@ class Bench:
                 if time.monotonic() > deadline:
                     raise BenchError(f"{what} did not complete within {OP_TIMEOUT:.0f}s with the caller busy")
 
+        step_in_place = [0, 0]  # (handles answered in place, handles) of the step lookups
+
+        def step_lookups_busy(conn: Any) -> int:
+            """``STEP_LOOKUPS`` lookups started in one step, then polled between runs of Python until all answered."""
+            t0 = time.perf_counter_ns()
+            handles = [conn.start_lookup(one_hashes) for _ in range(STEP_LOOKUPS)]
+            try:
+                for handle in handles:
+                    busy_until(handle, "a step's lookup")
+                elapsed = time.perf_counter_ns() - t0
+                if not all(handle.result()[LEAF][0] for handle in handles):
+                    raise BenchError("a step's one-block lookup missed")
+            finally:
+                for handle in handles:
+                    conn.abandon_lookup(handle)
+            step_in_place[0] += sum(handle.answered_by_polling for handle in handles)
+            step_in_place[1] += len(handles)
+            return elapsed
+
         def one_block_busy(conn: Any) -> int:
             t0 = time.perf_counter_ns()
             handle = conn.start_lookup(one_hashes)
@@ -1110,7 +1131,9 @@ class Bench:
             "dkv_one_block_listener_busy": lambda: [one_block_busy(one_listener) for _ in range(per)],
             "dkv_one_block_listener_busy_5ms": lambda: at_cpython_default(
                 lambda: [one_block_busy(one_listener) for _ in range(per)]),
+            "dkv_step_lookups_listener_busy": lambda: [step_lookups_busy(one_listener) for _ in range(per)],
         }
+        bench_common.open_direct_channels(one_listener, STEP_LOOKUPS, OP_TIMEOUT)  # as a busy engine grows them
         log(f"latency: {args.warmup} warm-up + {args.lat_rounds} rounds x {per} samples x {len(contenders)} "
             f"contenders (1-block loads of {format_size(size)})")
         samples: dict[str, list[int]] = collections.defaultdict(list)
@@ -1134,6 +1157,8 @@ class Bench:
         out = {k: latency_summary_us(v) for k, v in samples.items()}
         out["one_block_size"] = size
         out["switch_interval_s"] = switch_interval
+        out["step_lookups"] = STEP_LOOKUPS
+        out["step_lookups_in_place"] = step_in_place[0] / max(step_in_place[1], 1)
         return out
 
     # -- 3. scheduler-thread cost while loads run
@@ -1326,6 +1351,8 @@ def compute(doc: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
                f"<= {GOAL_ONE_BLOCK_VS_PING}x", v <= GOAL_ONE_BLOCK_VS_PING)
     ratios["one_block_listener_busy_vs_idle_p50"] = (lat["dkv_one_block_listener_busy"]["p50_us"]
                                                      / lat["dkv_one_block_listener"]["p50_us"])
+    ratios["step_lookups_vs_one_busy_p50"] = (lat["dkv_step_lookups_listener_busy"]["p50_us"]
+                                              / lat["dkv_one_block_listener_busy"]["p50_us"])
     ratios["one_block_listener_busy_5ms_vs_busy_p50"] = (lat["dkv_one_block_listener_busy_5ms"]["p50_us"]
                                                          / lat["dkv_one_block_listener_busy"]["p50_us"])
     ratios["lookup_256_vs_redis_exists_256_p50"] = lat["dkv_lookup_256"]["p50_us"] / lat["redis_exists_256"]["p50_us"]
@@ -1404,7 +1431,8 @@ def print_report(doc: dict[str, Any], file: Any = None) -> None:
     lat = doc["latency"]
     for name in ("tcp_ping", "ucx_ping", "redis_exists_256", "redis_exists_4096", "dkv_lookup_256",
                  "dkv_lookup_4096", "dkv_probe_256", "dkv_probe_4096", "dkv_one_block_local",
-                 "dkv_one_block_listener", "dkv_one_block_listener_busy", "dkv_one_block_listener_busy_5ms"):
+                 "dkv_one_block_listener", "dkv_one_block_listener_busy", "dkv_one_block_listener_busy_5ms",
+                 "dkv_step_lookups_listener_busy"):
         s = lat[name]
         goal, ok = "", None
         if name == "dkv_lookup_256":
@@ -1419,6 +1447,9 @@ def print_report(doc: dict[str, Any], file: Any = None) -> None:
                   f"{doc['ratios']['one_block_listener_busy_vs_idle_p50']:.2f}x (p50 / p50; switch interval "
                   f"{lat['switch_interval_s'] * 1e3:g} ms; at CPython's 5 ms: "
                   f"{doc['ratios']['one_block_listener_busy_5ms_vs_busy_p50']:.1f}x slower still)", "", "")
+    table.add_row(f"{lat['step_lookups']} lookups in one step / 1-block load, caller busy",
+                  f"{doc['ratios']['step_lookups_vs_one_busy_p50']:.2f}x (p50: all {lat['step_lookups']} "
+                  f"answered / one loaded; {lat['step_lookups_in_place']:.0%} in place)", "", "")
     table.add_row("lookup 256 / Redis EXISTS 256", f"{doc['ratios']['lookup_256_vs_redis_exists_256_p50']:.2f}x "
                   f"(p50 / p50; 4096: {doc['ratios']['lookup_4096_vs_redis_exists_4096_p50']:.2f}x)", "", "")
     table.add_section()

@@ -160,6 +160,21 @@ def direct_client(loop: Any, address: str, namespace: str, timeout: float) -> An
     return client
 
 
+def open_direct_channels(conn: Any, count: int, timeout: float) -> None:
+    """Open direct channels to ``conn``'s co-located node until ``count`` are (a connector grows them on demand).
+
+    A connector opens one more only when a lookup found every open one
+    busy, one a second at most; a measurement of several lookups per step
+    opens them first, so that it measures the steady state.
+    """
+    client = conn._clients.get(conn.node_address)  # noqa: SLF001 - the connector's own client of its node
+    if client is None:
+        raise SystemExit(f"no client of {conn.node_address}")
+    while client.direct_open < count:
+        if not conn._worker.loop.run(client.open_direct(another=True), timeout):  # noqa: SLF001
+            raise SystemExit(f"only {client.direct_open} direct channels opened to {conn.node_address}, not {count}")
+
+
 @contextlib.contextmanager
 def frozen_heap(on_gc: Callable[[str, dict[str, Any]], None]) -> Iterator[None]:
     """Within: the heap set up so far frozen (as engines do after start-up) and ``on_gc`` told of each collection.

@@ -22,7 +22,7 @@ THROUGHPUT = ("memcpy", "tcp_stream", "ucx_stream", "redis_mget", "redis_pipe_ge
               "dkv_load_local", "dkv_load_listener", "dkv_offload_local", "dkv_offload_listener")
 LATENCY = ("tcp_ping", "ucx_ping", "redis_exists_256", "redis_exists_4096", "dkv_lookup_256", "dkv_lookup_4096",
            "dkv_probe_256", "dkv_probe_4096", "dkv_one_block_local", "dkv_one_block_listener",
-           "dkv_one_block_listener_busy", "dkv_one_block_listener_busy_5ms")
+           "dkv_one_block_listener_busy", "dkv_one_block_listener_busy_5ms", "dkv_step_lookups_listener_busy")
 
 
 def _positive(value: object, what: str) -> None:
@@ -55,6 +55,7 @@ def test_bench_smoke(tmp_path: Path) -> None:
         over, queued = doc["scheduler"][op]["over_p99_goal"], doc["scheduler"][op]["over_p99_goal_mostly_queued"]
         assert 0 <= queued <= over <= doc["scheduler"][op]["n"], f"scheduler {op}: slow calls {over}, queued {queued}"
     assert doc["latency"]["switch_interval_s"] == pytest.approx(0.0005), "the connectors' GIL switch interval"
+    assert doc["latency"]["step_lookups_in_place"] == 1.0, "a step's lookups did not all go over direct channels"
     assert doc["scheduler"]["background"]["loads_completed"] >= 1
     assert {(s["nodes"], s["path"]) for s in doc["scaling"]} == {(k, p) for k in (1, 2, 3)
                                                                   for p in ("local", "listener")}
