@@ -50,6 +50,9 @@ _PLAIN: dict[str, tuple[str, str]] = {
     "dkv_connector_lookups_in_place_total": ("lookups_in_place",
                                              "Lookups answered without the loop thread: lookup() calls, and start_lookup "
                                              "handles read by their polls (direct channel: same-host or TCP)"),
+    "dkv_connector_lookups_channels_busy_total": ("lookups_channels_busy",
+                                                  "Lookups that took the loop thread because every direct channel to "
+                                                  "the node held an answer not yet read (see direct_channels)"),
     "dkv_connector_blocks_reported_total": ("blocks_reported", "Blocks (hash x leaf) lookups reported present"),
     "dkv_connector_hints_behind_device_total": ("hints_behind_device",
                                                 "Usable hints with nothing to add: the device held more already"),

@@ -185,6 +185,8 @@ class ConnectorCounters:
     lookup_failures: int = 0
     lookups_skipped: int = 0  # the co-located node failed to answer recently: a miss without asking
     lookups_in_place: int = 0  # lookup() calls and start_lookup handles answered off the loop (a direct channel), in lookups too
+    # lookups that took the loop because every direct channel to the node held an unread answer (direct_channels)
+    lookups_channels_busy: int = 0
     blocks_reported: int = 0
     hits_local: int = 0
     hits_peer: int = 0

@@ -595,8 +595,12 @@ class WorkerSide:
 
         Each open channel holds a handle whose answer is not read yet; with
         one more, the next lookup of a step like this one goes in place too
-        (see :data:`dkv.client.DIRECT_CHANNELS`).
+        (see :data:`dkv.client.DIRECT_CHANNELS`). Counted
+        (``counters.lookups_channels_busy``): a count that keeps rising once
+        the channels reached their cap says a step starts more lookups than
+        ``direct_channels``.
         """
+        self.sched.count(lookups_channels_busy=1)
         if client.direct_possible:
             self.call_soon(client.want_direct)
 

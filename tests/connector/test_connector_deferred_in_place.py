@@ -173,6 +173,7 @@ async def test_a_step_that_starts_two_lookups_gets_both_in_place_once_a_second_c
         assert time.monotonic() < deadline, "the second handle of a step never went in place"
         time.sleep(0.05)
     assert steps > 1 and client.direct_open == 2, "channels opened that no step asked for"
+    assert reader.counters.lookups_channels_busy == steps - 1  # the second handle of each step before the last
     wait(reader.load_lookup(second, {"full": [1, 2]}, {"full": hashes[:2]}))
     assert _rows(reader, "full", [1, 2]) == _rows(writer, "full", [1, 2])
     reader.abandon_lookup(first)
@@ -204,6 +205,7 @@ def test_a_lookup_call_that_finds_the_channel_held_takes_the_loop_and_asks_for_a
         assert time.monotonic() < deadline, "no second channel was asked for"
         time.sleep(0.01)
     assert reader.counters.lookups_in_place == counted + 1  # the handle only: lookup() went through the loop
+    assert reader.counters.lookups_channels_busy == 1
 
 
 @PATHS
