@@ -777,6 +777,119 @@ done:
     return result;
 }
 
+/* recv_rows(fd, rows, row_bytes, ids, sums, head, hashes, first, timeout) -> bytes (one verdict a block) */
+static PyObject *recv_rows(PyObject *Py_UNUSED(module), PyObject *args) {
+    int fd;
+    PyObject *rows_obj, *ids_obj, *hashes_obj;
+    Py_ssize_t row_bytes;
+    Py_buffer sums, head, first;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "iOnOy*y*Oy*d", &fd, &rows_obj, &row_bytes, &ids_obj, &sums, &head, &hashes_obj,
+                          &first, &timeout)) {
+        return NULL;
+    }
+    Py_buffer rows = {0};
+    int has_rows = 0;
+    PyObject *ids = NULL, *hashes = NULL, *verdicts = NULL, *result = NULL;
+    dkv_block *blocks = NULL;
+    char *prefixes = NULL;
+    if (PyObject_GetBuffer(rows_obj, &rows, PyBUF_WRITABLE) < 0) {
+        goto done;
+    }
+    has_rows = 1;
+    ids = PySequence_Fast(ids_obj, "ids must be a sequence");
+    hashes = ids ? PySequence_Fast(hashes_obj, "hashes must be a sequence") : NULL;
+    if (!hashes) {
+        goto done;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
+    if (PySequence_Fast_GET_SIZE(ids) != n || row_bytes <= 0 || !(timeout >= 0)) {
+        PyErr_SetString(PyExc_ValueError, "one id per hash, rows of at least one byte, a timeout >= 0");
+        goto done;
+    }
+    if (sums.len != n * DKV_CHECKSUM_SIZE) {
+        PyErr_SetString(PyExc_ValueError, "one 16-byte checksum per hash");
+        goto done;
+    }
+    Py_ssize_t hash_len = n ? PyBytes_Check(PySequence_Fast_GET_ITEM(hashes, 0))
+                                  ? PyBytes_GET_SIZE(PySequence_Fast_GET_ITEM(hashes, 0)) : -1
+                            : 0;
+    if (hash_len < 0) {
+        PyErr_SetString(PyExc_TypeError, "hashes must be bytes");
+        goto done;
+    }
+    size_t prefix_len = (size_t)head.len + (size_t)hash_len;
+    blocks = PyMem_Calloc(n ? n : 1, sizeof(dkv_block));
+    prefixes = PyMem_Malloc(n ? n * prefix_len : 1);
+    verdicts = PyBytes_FromStringAndSize(NULL, n);
+    if (!blocks || !prefixes || !verdicts) {
+        if (!PyErr_Occurred()) {
+            PyErr_NoMemory();
+        }
+        goto done;
+    }
+    Py_ssize_t row_count = rows.len / row_bytes;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *hash = PySequence_Fast_GET_ITEM(hashes, i);
+        if (!PyBytes_Check(hash) || PyBytes_GET_SIZE(hash) != hash_len) {
+            PyErr_SetString(PyExc_ValueError, "hashes must be bytes, all as long as the first");
+            goto done;
+        }
+        Py_ssize_t id = PyNumber_AsSsize_t(PySequence_Fast_GET_ITEM(ids, i), PyExc_OverflowError);
+        if (id == -1 && PyErr_Occurred()) {
+            goto done;
+        }
+        if (id < 0 || id >= row_count) {
+            PyErr_Format(PyExc_ValueError, "row %zd is outside the %zd rows", id, row_count);
+            goto done;
+        }
+        for (Py_ssize_t j = 0; j < i; j++) { /* a row written twice would be checked against the second block only */
+            if (blocks[j].dest == (char *)rows.buf + id * row_bytes) {
+                PyErr_Format(PyExc_ValueError, "row %zd is named twice", id);
+                goto done;
+            }
+        }
+        char *prefix = prefixes + (size_t)i * prefix_len;
+        memcpy(prefix, head.buf, (size_t)head.len);
+        memcpy(prefix + head.len, PyBytes_AS_STRING(hash), (size_t)hash_len);
+        blocks[i] = (dkv_block){.dest = (char *)rows.buf + id * row_bytes, .len = (size_t)row_bytes,
+                                .prefix = prefix, .prefix_len = prefix_len};
+    }
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    long long deadline = (long long)now.tv_sec * 1000000000LL + now.tv_nsec + (long long)(timeout * 1e9);
+    int rc;
+    int (*receive)(int, const dkv_block *, size_t, const unsigned char *, unsigned char *, const char *, size_t,
+                   long long) = kernel == dkv_copy_hash_avx2 ? dkv_recv_hash_avx2 : dkv_recv_hash_generic;
+    Py_BEGIN_ALLOW_THREADS
+    rc = receive(fd, blocks, (size_t)n, sums.buf, (unsigned char *)PyBytes_AS_STRING(verdicts), first.buf,
+                 (size_t)first.len, deadline);
+    Py_END_ALLOW_THREADS
+    if (rc == -ETIMEDOUT) {
+        PyErr_Format(PyExc_TimeoutError, "the blocks' bytes did not arrive within %.1f s", timeout);
+    } else if (rc == -EPIPE) {
+        PyErr_SetString(PyExc_ConnectionResetError, "the stream ended before the blocks' bytes did");
+    } else if (rc < 0) {
+        errno = -rc;
+        PyErr_SetFromErrno(PyExc_OSError);
+    } else {
+        result = Py_NewRef(verdicts);
+    }
+done:
+    PyMem_Free(blocks);
+    PyMem_Free(prefixes);
+    Py_XDECREF(verdicts);
+    Py_XDECREF(hashes);
+    Py_XDECREF(ids);
+    if (has_rows) {
+        PyBuffer_Release(&rows);
+    }
+    PyBuffer_Release(&sums);
+    PyBuffer_Release(&head);
+    PyBuffer_Release(&first);
+    return result;
+}
+
 static int avx2_usable(void) {
 #if defined(__GNUC__) && defined(__x86_64__)
     __builtin_cpu_init();
@@ -830,6 +943,13 @@ static PyMethodDef methods[] = {
     {"wait_ended", wait_ended, METH_O,
      "wait_ended(timeout) -> list[CheckedCopy]: the posted copies whose shares have all ended since the last "
      "call, each once; waits up to ``timeout`` seconds for one, without the GIL."},
+    {"recv_rows", recv_rows, METH_VARARGS,
+     "recv_rows(fd, rows, row_bytes, ids, sums, head, hashes, first, timeout) -> bytes: receive len(hashes) blocks "
+     "of row_bytes each, back to back from the stream socket fd (``first``: bytes of them already read), block i "
+     "into rows[ids[i] * row_bytes:][:row_bytes], each hashed as it lands (prefix head || hashes[i]) and compared "
+     "with sums[16 * i:][:16]; one verdict byte a block (1: it matched). Without the GIL. TimeoutError past "
+     "``timeout`` s, ConnectionResetError when the stream ends first, OSError when a receive fails: the rows "
+     "then hold partial bytes."},
     {"rows_copy", rows_copy, METH_VARARGS,
      "rows_copy(segment, rows, row_bytes, ids, offsets, sizes, sums, head, hashes) -> CheckedCopy | None: a "
      "CheckedCopy of len(hashes) blocks into rows of one buffer (block i into rows[ids[i] * row_bytes:][:row_bytes]) "

@@ -13,6 +13,7 @@
 #include "_checked_copy.h"
 
 #define DKV_KERNEL dkv_copy_hash_avx2
+#define DKV_RECV_KERNEL dkv_recv_hash_avx2
 #include "_checked_copy_kernel.h"
 
 int dkv_avx2_built(void) {

@@ -5,4 +5,5 @@
 #include "_checked_copy.h"
 
 #define DKV_KERNEL dkv_copy_hash_generic
+#define DKV_RECV_KERNEL dkv_recv_hash_generic
 #include "_checked_copy_kernel.h"

@@ -44,11 +44,11 @@ import numpy as np
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
 from dkv.arena import SegmentMapping, align_up
-from dkv.checksum import CHECKSUM_SIZE, block_checksum, block_prefixes, is_checksum, verify_prefixed
+from dkv.checksum import CHECKSUM_SIZE, block_checksum, block_head, block_prefixes, is_checksum, verify_prefixed
 from dkv.checksum import verify as checksum_matches
 from dkv.copy_threads import ChunkedCopy, PostedCopy
 from dkv.credentials import read_local_credential
-from dkv.direct_channel import ChannelBusy, ChannelClosed, DirectChannel, PendingReply, PolledOutcome
+from dkv.direct_channel import ChannelBusy, ChannelClosed, DirectChannel, PendingReply, PolledOutcome, RowsTarget
 from dkv.errors import (
     AuthError,
     ChecksumMismatch,
@@ -106,6 +106,7 @@ MAX_REMEMBERED_LEASES = 4096  # slot maps kept for loads to come (a lease past t
 MAX_RECEIVED_BYTES = 64 << 20
 LEASE_CLOCK_MARGIN = 0.5  # a same-host copy starts at least this long before the node's lease TTL runs out
 END_FLUSH_DELAY = 0.05  # a loaded lease no lookup ended by then is ended by an ``end`` request of its own
+_NO_CHECKSUM = bytes(CHECKSUM_SIZE)  # in place of a checksum the node did not name: no block's hashes to it
 DIRECT_RETRY_AFTER = 1.0  # seconds before another attempt to open a direct channel (see NodeClient.want_direct)...
 DIRECT_RETRY_MAX = 30.0  # ...doubled after each one that failed, up to this (a node at its connection cap, say)
 # Direct channels a client opens at most to one node. The first opens when a lookup in place first wants one;
@@ -1132,19 +1133,7 @@ class NodeClient:
         :class:`~dkv.direct_channel.ChannelClosed` where no channel is open,
         :class:`~dkv.direct_channel.ChannelBusy` where every open one is in use.
         """
-        direct = channel = None
-        busy = False
-        for session in self._directs:
-            conn = session.conn
-            if isinstance(conn, DirectChannel) and not conn.closed:
-                if not conn.in_use:
-                    direct, channel = session, conn
-                    break
-                busy = True
-        if direct is None or channel is None or self._closed:
-            if busy and not self._closed:
-                raise ChannelBusy(f"every direct channel to {self.address} is in use")
-            raise ChannelClosed(f"no direct channel to {self.address}")
+        direct, channel = self._free_direct()
         fields = self._presence_fields(hashes, leaves, shards)
         if not self._fits_one_request(len(fields["hashes"]), len(fields["leaves"]), shards):
             raise ChannelBusy("a lookup near the node's limits is sized on the loop")
@@ -1155,6 +1144,98 @@ class NodeClient:
         if ends:
             message["ends"] = ends
         return _DirectLookup(direct, channel, message, mapping, ends, time.monotonic())
+
+    def _free_direct(self) -> tuple[_Session, DirectChannel]:
+        """A direct channel not in use: :class:`~dkv.direct_channel.ChannelClosed` where none is open,
+        :class:`~dkv.direct_channel.ChannelBusy` where every open one is in use."""
+        busy = False
+        for session in self._directs:
+            conn = session.conn
+            if isinstance(conn, DirectChannel) and not conn.closed:
+                if not conn.in_use:
+                    if self._closed:
+                        break
+                    return session, conn
+                busy = True
+        if busy and not self._closed:
+            raise ChannelBusy(f"every direct channel to {self.address} is in use")
+        raise ChannelClosed(f"no direct channel to {self.address}")
+
+    @property
+    def direct_free(self) -> bool:
+        """Any thread: True while an open direct channel is not in use (a hint: it may be taken first). No I/O."""
+        return not self._closed and any(isinstance(d.conn, DirectChannel) and not d.conn.closed and not d.conn.in_use
+                                        for d in self._directs)
+
+    def read_rows_direct(self, lease_id: int, run: RowRun, answered: Callable[[], None] | None = None) -> None:
+        """Any thread but the loop: :meth:`read` of ``run`` over a direct channel, its blocks received into the rows natively.
+
+        One request (``end``: the read ends the lease on the node) on a direct
+        channel not in use; the node answers with the blocks' sizes and
+        checksums and sends their bytes after it on the same stream, which
+        :meth:`dkv.direct_channel.DirectChannel.exchange_into_rows` receives
+        straight into the rows, hashing each block as it lands, without the
+        GIL. ``answered()`` is called once the node's answer is in (it began
+        the read: the lease is the read's). Blocks of one size, checksums on,
+        a request that fits one frame. Raises
+        :class:`~dkv.direct_channel.ChannelBusy` or
+        :class:`~dkv.direct_channel.ChannelClosed` when the node did not see
+        the request (the caller may read the usual way: the lease is as it
+        was); otherwise as :meth:`read` does
+        (:class:`~dkv.errors.ChecksumMismatch`: the rows hold garbage), or with
+        a :class:`~dkv.errors.TransportError` or
+        :class:`~dkv.errors.OpTimeout` where the channel failed (the lease may
+        have ended with the request).
+        """
+        if not self.checksums or not run.hashes or not self._fits_without_estimate(len(run.hashes)):
+            raise ChannelBusy("this read is not one for a direct channel: read it the usual way")
+        direct, channel = self._free_direct()
+        wire_keys = [[run.leaf, run.shard, h] for h in run.hashes]
+        with self._lock:
+            looked_up = self._lease_hashes.get(lease_id)
+        places = _places(wire_keys, *looked_up) if looked_up is not None else None
+        named = ({"runs": places} if places is not None and FEATURE_READ_RUNS in direct.info.features
+                 else {"keys": wire_keys})
+        message: dict[str, Any] = {"op": "read", "lease": lease_id, **named, "end": True, "shm": False}
+        ends = self._take_ends()
+        if ends:
+            message["ends"] = ends
+        count = len(run.hashes)
+        unsummed = [0]  # blocks the node named no checksum for (they fail)
+
+        def expect(reply: dict[str, Any]) -> RowsTarget | None:
+            if reply.get("ok") is False:
+                return None  # (judged below)
+            sizes = reply.get("sizes")
+            if not isinstance(sizes, list) or len(sizes) != count:
+                raise ProtocolError("read reply names a different number of blocks")
+            if any(n != run.row_bytes for n in sizes):
+                raise ProtocolError(f"read reply names blocks of other sizes than the rows' {run.row_bytes} bytes")
+            if answered is not None:
+                answered()
+            named = _sums_for(reply.get("sums"), count)
+            unsummed[0] = sum(1 for s in named if not is_checksum(s))
+            sums = b"".join(s if is_checksum(s) else _NO_CHECKSUM for s in named)
+            return RowsTarget(run.rows, run.row_bytes, run.ids, sums,
+                              block_head(run.leaf, run.shard, run.row_bytes, len(run.hashes[0])), run.hashes)
+
+        try:
+            reply, verdicts = channel.exchange_into_rows(message, self.timeout, expect)
+        except BaseException as exc:
+            if ends and isinstance(exc, (ChannelClosed, ChannelBusy)):
+                with self._lock:
+                    self._ends[:0] = ends  # the node never saw them: the next request carries them
+            if channel.closed:
+                self._lost(direct)
+            raise
+        with self._lock:
+            self._lease_hashes.pop(lease_id, None)
+            self._forget_slots_locked(lease_id)
+        _check_reply(reply)
+        if verdicts is None or verdicts.count(0):  # (None: an ok reply is always followed by its blocks)
+            first = verdicts.index(0) if verdicts is not None else 0
+            raise self._mismatch(wire_keys[first], verdicts.count(0) if verdicts is not None else count, count,
+                                 unsummed[0])
 
     def _direct_failed(self, asked: _DirectLookup, exc: BaseException) -> None:
         """A direct lookup's exchange failed with ``exc``: ends the node never saw go back in the queue."""
@@ -1529,14 +1610,18 @@ class NodeClient:
         bad = [i for i, (key, view, checksum, verdict) in enumerate(zip(wire_keys, views, sums, known))
                if not (verdict if verdict is not None else checksum_matches(key[0], key[1], key[2], view, checksum))]
         if bad:
-            leaf, shard, block_hash = wire_keys[bad[0]]
-            unsummed = sum(1 for i in bad if not is_checksum(sums[i]))
-            raise ChecksumMismatch(
-                f"{len(bad)} of {len(views)} block(s) read from {self.address} do not match their checksum "
-                f"(first: leaf {leaf!r}, shard {shard}, hash {block_hash.hex()}"
-                + (f"; {unsummed} came without one" if unsummed else "")
-                + "): corrupted or substituted, the destinations hold garbage",
-                count=len(bad), first_key=(leaf, shard, block_hash))
+            raise self._mismatch(wire_keys[bad[0]], len(bad), len(views),
+                                 sum(1 for i in bad if not is_checksum(sums[i])))
+
+    def _mismatch(self, first_key: Sequence[Any], bad: int, count: int, unsummed: int) -> ChecksumMismatch:
+        """The :class:`ChecksumMismatch` of a read of ``count`` blocks, ``bad`` of which (``unsummed`` named no checksum) failed."""
+        leaf, shard, block_hash = first_key
+        return ChecksumMismatch(
+            f"{bad} of {count} block(s) read from {self.address} do not match their checksum "
+            f"(first: leaf {leaf!r}, shard {shard}, hash {block_hash.hex()}"
+            + (f"; {unsummed} came without one" if unsummed else "")
+            + "): corrupted or substituted, the destinations hold garbage",
+            count=bad, first_key=(leaf, shard, block_hash))
 
     async def _copy_out(self, session: _Session, mapping: SegmentMapping, reply: dict[str, Any],
                         views: Sequence[memoryview]) -> None:

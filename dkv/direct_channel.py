@@ -59,7 +59,8 @@ import socket
 import struct
 import threading
 import time
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -78,6 +79,11 @@ _TIMEVAL = struct.Struct("@ll")  # struct timeval, for SO_RCVTIMEO / SO_SNDTIMEO
 # is a TimeoutError of our own
 _TIMED_OUT = (TimeoutError, BlockingIOError)
 
+try:  # a read's blocks received straight into rows, hashed as they land, without the GIL (exchange_into_rows)
+    from dkv._checked_copy import recv_rows as _recv_rows
+except ImportError:  # not built: such reads go the way they always went (over UCX, on the loop)
+    _recv_rows = None
+
 
 class ChannelBusy(TransportError):
     """Another thread is using the channel now: take another path (nothing was sent)."""
@@ -85,6 +91,23 @@ class ChannelBusy(TransportError):
 
 class ChannelClosed(TransportError):
     """The channel is closed, or closed while the request was being written: the node did not see it."""
+
+
+class RowsTarget(NamedTuple):
+    """Where :meth:`DirectChannel.exchange_into_rows` receives a read's blocks, and what each must hash to.
+
+    Block ``i`` (``row_bytes`` long) goes into row ``ids[i]`` of ``rows``
+    (a writable buffer of whole rows); its checksum is XXH3-128 of ``head ||
+    hashes[i] || bytes`` (:func:`dkv.checksum.block_head`), to match
+    ``sums[16 * i:][:16]``.
+    """
+
+    rows: Any
+    row_bytes: int
+    ids: Sequence[int]
+    sums: bytes
+    head: bytes
+    hashes: Sequence[bytes]
 
 
 class DirectChannel:
@@ -159,6 +182,53 @@ class DirectChannel:
                 raise
             self.exchanges += 1
             return reply, payload
+        finally:
+            self._let_go()
+
+    def exchange_into_rows(self, message: dict[str, Any], timeout: float,
+                           expect: Callable[[dict[str, Any]], RowsTarget | None]) -> tuple[dict[str, Any], bytes | None]:
+        """Send ``message`` (a read), then receive the blocks that follow its reply straight into rows, within ``timeout``.
+
+        ``expect(reply)`` judges the reply before any block byte is read: it
+        returns where the blocks go (:class:`RowsTarget`), ``None`` where the
+        reply brings none (an error reply: nothing may follow it), or raises
+        (the node is sending bytes nobody will read: the channel closes). The
+        blocks are received natively, without the GIL, each hashed as its bytes
+        land (:func:`dkv._checked_copy.recv_rows`). Returns the reply and one
+        verdict byte a block (1: its bytes matched its checksum), or ``None``.
+        Raises as :meth:`exchange_with` does; once block bytes began to arrive,
+        any failure closes the channel.
+        """
+        if _recv_rows is None:
+            raise ChannelBusy("no native receive into rows here (dkv._checked_copy is not built)")
+        if not self._lock.acquire(blocking=False):
+            raise ChannelBusy(f"the direct channel to {self.peer} is in use")
+        try:
+            sock, deadline = self._send_request(message, timeout)
+            try:
+                buffer, end, got = _receive_frame(sock, memoryview(self._inbox), deadline, self.max_frame,
+                                                  self._spin_ns, bytes_may_follow=True)
+                reply = decode_body(buffer[HEADER_SIZE:end])
+                target = expect(reply)
+                if target is None:
+                    if got > end:
+                        raise ProtocolError(f"{got - end} bytes past a reply that names none: the stream is out of step")
+                    self.exchanges += 1
+                    return reply, None
+                verdicts = _recv_rows(sock.fileno(), target.rows, target.row_bytes, target.ids, target.sums,
+                                      target.head, target.hashes, bytes(buffer[end:got]),
+                                      max(deadline - time.monotonic(), 0.0))
+            except _TIMED_OUT as exc:
+                self._fail()
+                raise OpTimeout(f"receive from {self.peer} timed out after {timeout:.1f}s") from exc
+            except OSError as exc:
+                self._fail()
+                raise TransportError(f"receive from {self.peer} failed: {exc}") from exc
+            except BaseException:
+                self._fail()  # (a reply the caller refused, or bad bytes: the stream is out of step)
+                raise
+            self.exchanges += 1
+            return reply, verdicts
         finally:
             self._let_go()
 

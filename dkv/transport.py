@@ -89,7 +89,7 @@ os.environ.setdefault("UCX_TCP_RX_SEG_SIZE", "512k")
 _RDMA_TRANSPORTS = ("rc", "dc", "ud", "ib")
 
 
-def _rdma_possible() -> bool:
+def rdma_possible() -> bool:
     """Whether this process's UCX may use an RDMA transport (see above)."""
     tls = [name.strip() for name in os.environ.get("UCX_TLS", "").split(",") if name.strip()]
     if tls and not tls[0].startswith("^"):  # a list of what to use (not of what to leave out)
@@ -100,7 +100,7 @@ def _rdma_possible() -> bool:
         return False
 
 
-if not _rdma_possible():
+if not rdma_possible():
     os.environ.setdefault("UCX_RNDV_THRESH", "512k")
 # SO_REUSEADDR on the listening socket (UCX's default: off). Without it a node restarted after a
 # crash cannot listen on its port for about a minute: the dead node's side of each connection it

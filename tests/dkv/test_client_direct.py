@@ -23,14 +23,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pytest
 
 from dkv.checksum import block_checksum
 from dkv.client import DIRECT_RETRY_AFTER, DIRECT_RETRY_MAX, NodeClient, NodeInfo, _Session
 from dkv.direct_channel import ChannelBusy, ChannelClosed, DirectChannel, _peer_closed
-from dkv.errors import ConfigError, NodeBusy, OpTimeout, ProtocolError
+from dkv.errors import ChecksumMismatch, ConfigError, NodeBusy, OpTimeout, ProtocolError, RemoteError
 from dkv.wire import HEADER_SIZE, decode_body, decode_header, encode_body, encode_header
 from dkv.keys import BlockKey
+from dkv.lease_slots import RowRun
 from tests.conftest import node_stats, wait_for_stats
 from tests.ports import on_a_free_port
 
@@ -421,3 +423,110 @@ def test_blocks_over_a_tcp_direct_channel_that_do_not_match_the_request_are_a_pr
     assert fake.channel.closed and not client.direct_ready
     assert client._lease_slots == {} and client._received_bytes == 0  # noqa: SLF001
     assert client.lease_generation == 1  # its last connection closed: the node ended its leases
+
+
+# ---- a read over a direct channel, received natively into rows (NodeClient.read_rows_direct) ------------------
+
+
+def _rows_run(hashes: list[bytes], rows: Any, ids: list[int] | None = None) -> RowRun:
+    return RowRun("L", 0, hashes, ids or list(range(1, len(hashes) + 1)), memoryview(rows).cast("B"), BLOCK)
+
+
+@pytest.mark.parametrize("listener", [False, True], ids=["same-host", "listener"])
+async def test_a_read_over_a_direct_channel_lands_in_the_rows_and_ends_the_lease(
+        node_factory, clients, listener) -> None:
+    node = node_factory("--pool", "16MiB")
+    hashes, data = await _stored(clients(node.address, local=False))
+    reader = clients(node.address, local=not listener)
+    await reader.connect()
+    assert await reader.open_direct()
+    raw = reader._target  # noqa: SLF001
+    found = raw.lookup_direct(hashes, ["L"], group=1)
+    assert found.lease_id is not None and found.masks == {"L": [True] * HELD}
+    rows = np.zeros((HELD + 2, BLOCK), np.uint8)
+    ids = [HELD + 1, *range(2, HELD + 1)]  # any rows, row 1 left alone
+    answered: list[float] = []
+    raw.read_rows_direct(found.lease_id, _rows_run(hashes, rows, ids), lambda: answered.append(time.monotonic()))
+    assert len(answered) == 1
+    assert [rows[i].tobytes() for i in ids] == data
+    assert not rows[[0, 1]].any()
+    stats = await wait_for_stats(node.address, lambda s: s["leases"] == 0)
+    assert stats["leases"] == 0 and stats["ops"]["read"] == 1, stats  # the read ended the lease
+    again = raw.lookup_direct(hashes[:1], ["L"], group=2)  # the channel is in step and free again
+    assert again.masks == {"L": [True]}
+    await reader.release(again.lease_id)
+
+
+async def test_a_read_over_a_direct_channel_waits_for_a_free_one_never_and_a_hung_node_times_it_out(
+        node_factory, clients) -> None:
+    held = await _held(node_factory, clients, timeout=1.0)
+    node, hashes, raw = held.node, held.hashes, held.raw
+    found = raw.lookup_direct(hashes, ["L"], group=1)
+    rows = np.zeros((HELD + 1, BLOCK), np.uint8)
+    pending = raw.start_lookup_direct(hashes, ["L"], group=2)  # holds the one channel
+    raw._ends.append(12345)  # noqa: SLF001 - a loaded lease to end with the next request
+    with pytest.raises(ChannelBusy):
+        raw.read_rows_direct(found.lease_id, _rows_run(hashes, rows))
+    assert raw._ends == [12345], "the ends of a read never sent were lost"  # noqa: SLF001
+    raw._ends.clear()  # noqa: SLF001
+    _answered(pending)
+    node.pause()
+    try:
+        started = time.monotonic()
+        with pytest.raises(OpTimeout):
+            raw.read_rows_direct(found.lease_id, _rows_run(hashes, rows))
+        assert time.monotonic() - started < 10  # the 1 s bound, generously
+        assert not raw.direct_ready  # the stream may be out of step: closed
+    finally:
+        node.resume()
+
+
+def _read_answer(data: list[bytes], sums: list[Any], sizes: list[int] | None = None) -> Any:
+    def answer(request: dict) -> tuple[dict, bytes]:
+        assert request["op"] == "read" and request["end"] is True and request["shm"] is False
+        return ({"ok": True, "sizes": sizes or [len(d) for d in data], "sums": sums, "groups": [len(data)]},
+                b"".join(data))
+
+    return answer
+
+
+def test_a_read_whose_block_fails_its_checksum_is_a_mismatch_and_the_channel_stays_in_step(fake_node) -> None:
+    hashes = [os.urandom(32) for _ in range(3)]
+    data = [os.urandom(BLOCK) for _ in hashes]
+    sums = [block_checksum("L", 0, h, d) for h, d in zip(hashes, data)]
+    corrupted = [data[0], data[1][:-1] + bytes([data[1][-1] ^ 1]), data[2]]
+    fake = fake_node(_read_answer(corrupted, sums))
+    client = fake.client()
+    rows = np.zeros((4, BLOCK), np.uint8)
+    with pytest.raises(ChecksumMismatch) as caught:
+        client.read_rows_direct(5, _rows_run(hashes, rows))
+    assert caught.value.count == 1 and caught.value.first_key == ("L", 0, hashes[1])
+    assert not fake.channel.closed  # every byte was read: only the block was bad
+    fake.answer = _read_answer(data, [sums[0], None, sums[2]])  # a block the node names no checksum for fails too
+    with pytest.raises(ChecksumMismatch):
+        client.read_rows_direct(6, _rows_run(hashes, rows))
+    fake.answer = _read_answer(data, sums)
+    client.read_rows_direct(7, _rows_run(hashes, rows))
+    assert [rows[i].tobytes() for i in (1, 2, 3)] == data
+
+
+@pytest.mark.parametrize("sizes", [[BLOCK, BLOCK - 1, BLOCK], [BLOCK, BLOCK]], ids=["another size", "fewer blocks"])
+def test_a_read_reply_that_does_not_match_the_rows_closes_the_channel(fake_node, sizes: list[int]) -> None:
+    hashes = [os.urandom(32) for _ in range(3)]
+    data = [os.urandom(n) for n in sizes]
+    fake = fake_node(_read_answer(data, [bytes(16)] * len(sizes), sizes))
+    client = fake.client()
+    rows = np.zeros((4, BLOCK), np.uint8)
+    with pytest.raises(ProtocolError):
+        client.read_rows_direct(5, _rows_run(hashes, rows))
+    assert fake.channel.closed and not client.direct_ready
+    assert not rows.any(), "bytes of a refused reply were written"
+
+
+def test_a_refused_read_raises_the_nodes_error_and_the_channel_stays_in_step(fake_node) -> None:
+    fake = fake_node(lambda request: ({"ok": False, "code": "lease", "msg": "no such lease"}, b""))
+    client = fake.client()
+    rows = np.zeros((2, BLOCK), np.uint8)
+    with pytest.raises(RemoteError, match="no such lease"):
+        client.read_rows_direct(5, _rows_run([os.urandom(32)], rows))
+    assert not fake.channel.closed

@@ -583,7 +583,7 @@ async def test_a_receive_that_times_out_holds_its_buffer_until_ucx_cancels_it_th
 ])
 def test_rdma_is_possible_where_ucx_tls_names_an_rdma_transport(monkeypatch, tls: str, rdma: bool) -> None:
     monkeypatch.setenv("UCX_TLS", tls)
-    assert transport._rdma_possible() is rdma
+    assert transport.rdma_possible() is rdma
 
 
 def test_small_messages_go_eagerly_unless_rdma_may_carry_them_or_the_operator_chose() -> None:
