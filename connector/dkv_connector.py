@@ -107,6 +107,7 @@ from dkv.gil import DEFAULT_SWITCH_INTERVAL, check_switch_interval, hold_switch_
 from dkv.keys import check_hashes, check_namespace
 from dkv.loop_thread import acquire_shared_loop, release_shared_loop
 from dkv.polling import REPLY_SPIN, check_reply_spin
+from dkv.transport import rdma_possible
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +150,7 @@ class DKVConnector:
         lookup_payload_bytes: int = LOOKUP_PAYLOAD_BYTES,
         reply_spin: float = REPLY_SPIN,
         direct_channels: int = DIRECT_CHANNELS,
+        direct_reads: bool | None = None,
     ) -> None:
         """Any thread (the engine's, once): connect to the co-located node at ``node`` and, with ``etcd``, follow the cluster.
 
@@ -220,6 +222,14 @@ class DKVConnector:
         second at most) and goes through the loop meanwhile, so a scheduler
         that starts several lookups in a step gets up to this many in place.
         Each is a connection the node counts against its caps.
+
+        ``direct_reads`` (default: where UCX may use no RDMA transport, see
+        :func:`dkv.transport.rdma_possible`): a load that reads from a node
+        (its blocks came with no lookup and lie in no shared segment) goes
+        over a free direct channel instead of UCX, received on a copy thread
+        straight into CPU rows, each block hashed as it lands, without the
+        GIL (*Twenty-fifth round* in the README). Where UCX has RDMA it
+        carries the bytes without either CPU's copy: off there by default.
         """
         if lookup_payload_bytes < 0:
             raise ValueError(f"lookup_payload_bytes must not be negative, not {lookup_payload_bytes}")
@@ -247,6 +257,7 @@ class DKVConnector:
                                   etcd=etcd_target, layout=layout, peer_idle_timeout=peer_idle_timeout,
                                   lookup_in_place=lookup_in_place, lookup_payload_bytes=lookup_payload_bytes,
                                   reply_spin=reply_spin, direct_channels=direct_channels,
+                                  direct_reads=not rdma_possible() if direct_reads is None else direct_reads,
                                   start_lookup_in_place=(lookup_in_place if start_lookup_in_place is None
                                                          else start_lookup_in_place))
         hold_switch_interval(gil_switch_interval)  # (checked above: it does not raise)

@@ -43,6 +43,7 @@ from connector.types import ByteCount, CompletedTransfer, KVLoadFailed
 from connector.lease_budget import Slot
 from dkv.client import DIRECT_CHANNELS, LookupResult, NodeClient, PendingLookup
 from dkv import held_gil
+from dkv import copy_threads
 from dkv.copy_threads import ChunkedCopy, PostedCopy
 from dkv.lease_slots import LeaseSlots, RowRun
 from dkv.direct_channel import ChannelBusy, ChannelClosed
@@ -291,7 +292,7 @@ class WorkerSide:
                  etcd: str | EtcdSettings | None, layout: Layout | None, peer_idle_timeout: float,
                  lookup_in_place: bool = True, lookup_payload_bytes: int = LOOKUP_PAYLOAD_BYTES,
                  reply_spin: float = REPLY_SPIN, start_lookup_in_place: bool = True,
-                 direct_channels: int = DIRECT_CHANNELS) -> None:
+                 direct_channels: int = DIRECT_CHANNELS, direct_reads: bool = False) -> None:
         """Any thread (construction); nothing is started until :meth:`start` runs on the loop."""
         self.sched = sched
         self.loop = loop
@@ -310,6 +311,7 @@ class WorkerSide:
         self._lookup_payload = lookup_payload_bytes  # listener lookups ask for their blocks' bytes up to this
         self._reply_spin = reply_spin  # a direct channel's replies are polled for this long before a sleep
         self._direct_channels = direct_channels  # each node client's direct channels at most
+        self._direct_reads = direct_reads  # listener loads may read over a free direct channel (see _read_on_channel)
         self.host_bytes = ByteCount(free=0, total=0)
         self.disk_bytes = ByteCount(free=0, total=0)
         devices = {t.device for replica in sched.blocks for shards in replica.values() for t in shards}
@@ -340,6 +342,8 @@ class WorkerSide:
         # runs in place only while the two are equal (see lookup_in_place)
         self._loads_posted = 0
         self._loads_begun = 0
+        self._channel_reads_unanswered = 0  # reads sent over a direct channel whose answer is not in (under _tasks_lock)
+        self._channel_jobs: set[concurrent.futures.Future[Any]] = set()  # their copy-thread runs, waited for by close
         self._copies: set[ChunkedCopy | PostedCopy] = set()  # loads on the copy threads (load_in_place): waited for at close
         # start_lookup handles answered in place and not settled yet (under _tasks_lock), and the loop's poller of them
         self._in_place_lookups: set[InPlaceLookup] = set()
@@ -584,7 +588,7 @@ class WorkerSide:
             if client.direct_possible:
                 self.call_soon(client.want_direct)
             return None
-        if self._loads_begun != self._loads_posted:
+        if self._loads_begun != self._loads_posted or self._channel_reads_unanswered:
             return None
         if self._in_place_lookups:  # (read without the lock: at worst one poll too few, or one of a settled handle)
             self._settle_arrived()
@@ -713,8 +717,21 @@ class WorkerSide:
     # ---- releases ---------------------------------------------------------------------------------
 
     def release(self, state: LeaseState) -> None:
-        """Any thread: end a lease on its node, fire-and-forget (never lost to a limit, see :meth:`_queue_release`)."""
+        """Any thread: end a lease on its node, fire-and-forget (never lost to a limit, see :meth:`_queue_release`).
+
+        A lease whose blocks came with the lookup's answer was ended by the
+        node as it sent them: nothing is asked, its slot is free at once and
+        the bytes kept for its load are let go of. (Asking would cost a round
+        trip on the loop thread per abandoned handle, and hold the slot
+        meanwhile: a busy scheduler that abandons many found the budget spent.)
+        """
         if state.lease_id is None or self.closed:
+            return
+        if state.received:
+            client = self.clients.get(state.address)
+            if client is not None:
+                client.claim_slots(state.lease_id)  # (taken and dropped: the kept bytes count no more)
+            self.sched.budget.give_back_lease(state.address, state.lease_id)
             return
         self.call_soon(self._queue_release, state.address, state.lease_id)
 
@@ -769,7 +786,14 @@ class WorkerSide:
     # ---- loads and offloads -----------------------------------------------------------------------
 
     def post_load(self, state: LeaseState, plan: TransferPlan) -> Transfer:
-        """Scheduler thread: post a validated load; :class:`KVLoadFailed` (lease released) if posting failed."""
+        """Scheduler thread: post a validated load; :class:`KVLoadFailed` (lease released) if posting failed.
+
+        A load of CPU rows from a node this client has a free direct channel
+        to is read over it instead, on a copy thread (:meth:`_read_on_channel`).
+        """
+        transfer = self._read_on_channel(state, plan)
+        if transfer is not None:
+            return transfer
         try:
             future = self.submit(self._read(state, plan))
         except Exception as exc:
@@ -951,21 +975,114 @@ class WorkerSide:
             with self.using(client):
                 await client.read(state.lease_id, keys, targets, slots=slots)  # type: ignore[arg-type]
         except Exception as exc:
-            sched.count_load_failure(exc)  # by reason; a checksum failure in checksum_failures too
-            if isinstance(exc, ChecksumMismatch):  # corrupted or substituted bytes: failed, never delivered
-                log.warning("a load from %s failed its checksum: %s", state.address, exc)
-            if state.peer:
-                sched.add_metrics(dkv_peer_load_failures=1)
-            self.unanswered(state.address, exc)
+            self._read_failed(state, exc)
             raise
         finally:
             # the read ended the lease on the node (or its failure did: a refused read, or the
             # connection closing); a lease the node still holds, if any, lapses with its TTL
             sched.budget.give_back_lease(state.address, state.lease_id)  # type: ignore[arg-type]
-        sched.observe_load(state.peer, time.perf_counter() - started)
-        sched.count(blocks_loaded=len(keys), bytes_loaded=plan.nbytes)
-        sched.add_metrics(h2d_bytes_copied=plan.nbytes, dkv_peer_loads=int(state.peer))
+        self._read_landed(state, plan, started)
         return finish()
+
+    def _read_failed(self, state: LeaseState, exc: BaseException) -> None:
+        """Any thread: a read from a node failed: counted by reason, and the node noted as not answering."""
+        sched = self.sched
+        sched.count_load_failure(exc)  # by reason; a checksum failure in checksum_failures too
+        if isinstance(exc, ChecksumMismatch):  # corrupted or substituted bytes: failed, never delivered
+            log.warning("a load from %s failed its checksum: %s", state.address, exc)
+        if state.peer:
+            sched.add_metrics(dkv_peer_load_failures=1)
+        self.unanswered(state.address, exc)
+
+    def _read_landed(self, state: LeaseState, plan: TransferPlan, started: float) -> None:
+        """Any thread: a read's bytes are in the plan's rows, checked: timed and counted."""
+        sched = self.sched
+        sched.observe_load(state.peer, time.perf_counter() - started)
+        sched.count(blocks_loaded=plan.block_count, bytes_loaded=plan.nbytes)
+        sched.add_metrics(h2d_bytes_copied=plan.nbytes, dkv_peer_loads=int(state.peer))
+
+    def _read_on_channel(self, state: LeaseState, plan: TransferPlan) -> Transfer | None:
+        """Scheduler thread: a load read over a free direct channel, on a copy thread; ``None``: post it to the loop.
+
+        With ``direct_reads`` only (on by default where UCX has no RDMA
+        transport: then UCX carries the bytes over TCP anyway, with its own
+        copy and a Python step per message on the loop thread). A listener
+        read (not same-host, whose reads copy out of the shared segment, and
+        not a lease whose blocks came with its lookup: the node ended it),
+        one leaf, one shard, CPU rows back to back (:meth:`_row_run`), from a
+        node whose client has a direct channel not in use. The copy thread sends the
+        read and receives its blocks straight into the rows, each hashed as
+        it lands, without the GIL (:meth:`dkv.client.NodeClient.read_rows_direct`):
+        no Python step per block or message, and, with the scheduler thread
+        busy in Python, one GIL hand-off at each end instead of one per step
+        of the loop. Until the node's answer is in, no lookup runs in place
+        (a lookup could otherwise reach the node first and end the lease the
+        read is about to read). A read the node never saw (the channel was
+        taken, or closed) goes to the loop after all; any other failure fails
+        the load, counted as the loop's would be.
+        """
+        if (not self._direct_reads or state.lease_id is None or state.received or self.closed
+                or self.copy[plan.device].staged):
+            return None
+        client = self.clients.get(state.address)
+        if client is None or client.uses_shared_memory or not client.direct_free:
+            return None  # (a same-host read copies out of the shared segment: no bytes on any stream)
+        run = self._row_run(plan)
+        if run is None:
+            return None
+        _, finish = self.copy[plan.device].load_targets([])  # CPU rows are filled in place: a finisher that says so
+        future: concurrent.futures.Future[Completion | None] = concurrent.futures.Future()
+        waiting = [True]  # until the node's answer is in (or the read failed): lookups wait meanwhile
+
+        def answered() -> None:
+            with self._tasks_lock:
+                if waiting[0]:
+                    waiting[0] = False
+                    self._channel_reads_unanswered -= 1
+
+        def read() -> None:  # a copy thread
+            started = time.perf_counter()
+            try:
+                client.read_rows_direct(state.lease_id, run, answered)  # type: ignore[arg-type]
+            except (ChannelBusy, ChannelClosed):  # the node never saw it: the loop reads it, the lease as it was
+                answered()
+                self._read_after_all(state, plan, future)
+                return
+            except BaseException as exc:  # noqa: BLE001 - reported through the load's future
+                answered()
+                self.sched.budget.give_back_lease(state.address, state.lease_id)  # type: ignore[arg-type]
+                if isinstance(exc, Exception):
+                    self._read_failed(state, exc)
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(exc)
+                return
+            answered()
+            self.sched.budget.give_back_lease(state.address, state.lease_id)  # type: ignore[arg-type]
+            self._read_landed(state, plan, started)
+            if future.set_running_or_notify_cancel():
+                future.set_result(finish())
+
+        with self._tasks_lock:
+            self._channel_reads_unanswered += 1
+            self.tasks.add(future)
+        future.add_done_callback(self._forget)
+        try:
+            job = copy_threads.submit(read)
+        except RuntimeError:  # no copy thread takes work any more (the interpreter is shutting down)
+            answered()
+            future.cancel()
+            return None
+        with self._tasks_lock:
+            self._channel_jobs.add(job)
+        job.add_done_callback(self._forget_channel_job)
+        self.sched.count(loads=1)
+        transfer = Transfer(future, is_load=True)
+        self._book(transfer)
+        return transfer
+
+    def _forget_channel_job(self, job: concurrent.futures.Future[Any]) -> None:
+        with self._tasks_lock:
+            self._channel_jobs.discard(job)
 
     def post_offload(self, plan: TransferPlan) -> Any:
         """Scheduler thread: fence a validated offload's rows (CUDA: an event on the compute stream) and post it.
@@ -1262,6 +1379,10 @@ class WorkerSide:
             await self.router.stop()
         clients = [*self.clients.values(), *self.closing]
         await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+        with self._tasks_lock:
+            jobs = list(self._channel_jobs)
+        if jobs:  # reads over direct channels, ended by their channels' close: the rows are written no more after
+            await asyncio.wait([asyncio.wrap_future(job) for job in jobs], timeout=self.timeout + 5)
         with self._tasks_lock:
             unsettled = list(self._in_place_lookups)
         for lookup in unsettled:  # their channels are closed: each settles now, a miss unless answered already

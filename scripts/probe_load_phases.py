@@ -43,6 +43,9 @@ landed blocks included; a load small enough for its blocks to come with the
 lookup's answer (the connector's ``lookup_payload_bytes``) shows their
 receipt (``NodeClient._receive_sent``, inside ``NodeClient.lookup``) and the
 copy on the calling thread (``LeaseSlots.rows_copy``) instead of a read.
+Where the connector reads over a direct channel (``direct_reads``: UCX has no
+RDMA here), the read is ``NodeClient.read_rows_direct`` on a copy thread
+instead of the loop's.
 
 ``memcpy / copy+checksum`` is the highest ``load / memcpy`` ratio a checked
 load could reach if everything but its copy cost nothing.
@@ -161,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         limits: dict[str, list[float]] = {"memcpy": [], "copy+checksum": []}
         inside: dict[str, list[float]] = {}
         wrapped = [(NodeClient, "lookup"), (NodeClient, "start_lookup_direct"), (NodeClient, "_direct_answer"),
-                   (NodeClient, "_receive_sent"), (NodeClient, "read"), (NodeClient, "read_here"), (LeaseSlots, "rows_copy"),
+                   (NodeClient, "_receive_sent"), (NodeClient, "read"), (NodeClient, "read_rows_direct"),
+                   (NodeClient, "read_here"), (LeaseSlots, "rows_copy"),
                    (LeaseSlots, "_plan_and_copy"), (LeaseSlots, "_plan"), (LeaseSlots, "_copy_and_verify"),
                    (WorkerSide, "_read"), (Connection, "recv_payloads")]
         in_place = WorkerSide.load_in_place

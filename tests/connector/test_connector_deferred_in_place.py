@@ -208,6 +208,24 @@ def test_a_lookup_call_that_finds_the_channel_held_takes_the_loop_and_asks_for_a
     assert reader.counters.lookups_channels_busy == 1
 
 
+async def test_an_abandoned_handle_whose_answer_brought_its_blocks_frees_its_slot_without_asking(
+        node_factory, connectors) -> None:
+    node, _, hashes, reader = _reader(node_factory, connectors, False)
+    client = reader._clients[node.address]  # noqa: SLF001
+    budget = reader._sched.budget  # noqa: SLF001
+    releases = (await node_stats(node.address))["ops"].get("release", 0)
+    for _ in range(3):
+        handle = reader.start_lookup(hashes)
+        assert answered(handle) == {"full": [True] * 4, "swa": [True] * 4}
+        assert handle.state().received, "the answer brought no blocks"
+        assert client._received_bytes > 0  # noqa: SLF001 - kept for its load
+        reader.abandon_lookup(handle)
+        assert budget.held(node.address) == 0, "the slot waited for a release the node does not need"
+        assert client._received_bytes == 0  # noqa: SLF001 - let go of with the handle
+    stats = await wait_for_stats(node.address, lambda s: s["leases"] == 0)
+    assert stats["leases"] == 0 and stats["ops"].get("release", 0) == releases, stats["ops"]
+
+
 @PATHS
 def test_a_shutdown_settles_a_handle_still_unanswered(node_factory, connectors, local: bool) -> None:
     node, _, hashes, reader = _reader(node_factory, connectors, local, timeout=30.0)
