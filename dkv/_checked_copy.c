@@ -670,6 +670,26 @@ static PyTypeObject CheckedCopyType = {
     .tp_getset = CheckedCopy_getset,
 };
 
+/* Block i of a rows form (rows_copy, recv_rows): its hash (borrowed), and its row in *id; NULL with an exception set
+ * when the hash is not bytes of hash_len or the row is not one of row_count. */
+static PyObject *row_of(PyObject *hashes, PyObject *ids, Py_ssize_t i, Py_ssize_t hash_len, Py_ssize_t row_count,
+                        Py_ssize_t *id) {
+    PyObject *hash = PySequence_Fast_GET_ITEM(hashes, i);
+    if (!PyBytes_Check(hash) || PyBytes_GET_SIZE(hash) != hash_len) {
+        PyErr_SetString(PyExc_ValueError, "hashes must be bytes, all as long as the first");
+        return NULL;
+    }
+    *id = PyNumber_AsSsize_t(PySequence_Fast_GET_ITEM(ids, i), PyExc_OverflowError);
+    if (*id == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (*id < 0 || *id >= row_count) {
+        PyErr_Format(PyExc_ValueError, "row %zd is outside the %zd rows", *id, row_count);
+        return NULL;
+    }
+    return hash;
+}
+
 /* rows_copy(segment, rows, row_bytes, ids, offsets, sizes, sums, head, hashes) -> CheckedCopy | None */
 static PyObject *rows_copy(PyObject *Py_UNUSED(module), PyObject *args) {
     PyObject *segment_obj, *rows_obj, *ids_obj, *hashes_obj;
@@ -728,17 +748,9 @@ static PyObject *rows_copy(PyObject *Py_UNUSED(module), PyObject *args) {
     Py_ssize_t row_count = b->rows.len / row_bytes;
     int copyable = 1;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *hash = PySequence_Fast_GET_ITEM(hashes, i);
-        if (!PyBytes_Check(hash) || PyBytes_GET_SIZE(hash) != hash_len) {
-            PyErr_SetString(PyExc_ValueError, "hashes must be bytes, all as long as the first");
-            goto done;
-        }
-        Py_ssize_t id = PyNumber_AsSsize_t(PySequence_Fast_GET_ITEM(ids, i), PyExc_OverflowError);
-        if (id == -1 && PyErr_Occurred()) {
-            goto done;
-        }
-        if (id < 0 || id >= row_count) {
-            PyErr_Format(PyExc_ValueError, "row %zd is outside the %zd rows", id, row_count);
+        Py_ssize_t id;
+        PyObject *hash = row_of(hashes, ids, i, hash_len, row_count, &id);
+        if (!hash) {
             goto done;
         }
         long long offset, size;
@@ -830,17 +842,9 @@ static PyObject *recv_rows(PyObject *Py_UNUSED(module), PyObject *args) {
     }
     Py_ssize_t row_count = rows.len / row_bytes;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *hash = PySequence_Fast_GET_ITEM(hashes, i);
-        if (!PyBytes_Check(hash) || PyBytes_GET_SIZE(hash) != hash_len) {
-            PyErr_SetString(PyExc_ValueError, "hashes must be bytes, all as long as the first");
-            goto done;
-        }
-        Py_ssize_t id = PyNumber_AsSsize_t(PySequence_Fast_GET_ITEM(ids, i), PyExc_OverflowError);
-        if (id == -1 && PyErr_Occurred()) {
-            goto done;
-        }
-        if (id < 0 || id >= row_count) {
-            PyErr_Format(PyExc_ValueError, "row %zd is outside the %zd rows", id, row_count);
+        Py_ssize_t id;
+        PyObject *hash = row_of(hashes, ids, i, hash_len, row_count, &id);
+        if (!hash) {
             goto done;
         }
         for (Py_ssize_t j = 0; j < i; j++) { /* a row written twice would be checked against the second block only */

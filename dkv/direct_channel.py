@@ -171,15 +171,11 @@ class DirectChannel:
                     raise ProtocolError(f"{got - end} bytes past the reply's frame: the stream is out of step")
                 payload = None if sent is None else _receive_bytes(sock, buffer, end, got, sent, deadline,
                                                                    self._spin_ns)
-            except _TIMED_OUT as exc:
-                self._fail()
-                raise OpTimeout(f"receive from {self.peer} timed out after {timeout:.1f}s") from exc
-            except OSError as exc:
-                self._fail()
-                raise TransportError(f"receive from {self.peer} failed: {exc}") from exc
-            except ProtocolError:
-                self._fail()
-                raise
+            except BaseException as exc:  # the stream may be out of step: the channel closes
+                failure = self._failed(exc, timeout)
+                if failure is exc:
+                    raise
+                raise failure from exc
             self.exchanges += 1
             return reply, payload
         finally:
@@ -218,19 +214,29 @@ class DirectChannel:
                 verdicts = _recv_rows(sock.fileno(), target.rows, target.row_bytes, target.ids, target.sums,
                                       target.head, target.hashes, bytes(buffer[end:got]),
                                       max(deadline - time.monotonic(), 0.0))
-            except _TIMED_OUT as exc:
-                self._fail()
-                raise OpTimeout(f"receive from {self.peer} timed out after {timeout:.1f}s") from exc
-            except OSError as exc:
-                self._fail()
-                raise TransportError(f"receive from {self.peer} failed: {exc}") from exc
-            except BaseException:
-                self._fail()  # (a reply the caller refused, or bad bytes: the stream is out of step)
-                raise
+            except BaseException as exc:  # (a reply the caller refused, too: the node is sending bytes no one reads)
+                failure = self._failed(exc, timeout)
+                if failure is exc:
+                    raise
+                raise failure from exc
             self.exchanges += 1
             return reply, verdicts
         finally:
             self._let_go()
+
+    def _failed(self, exc: BaseException, timeout: float) -> BaseException:
+        """An exchange's receive failed with ``exc``: close the channel; what to raise (``exc`` itself, or mapped).
+
+        A receive past its bound is :class:`~dkv.errors.OpTimeout`, another
+        socket error a :class:`~dkv.errors.TransportError`; anything else (a
+        :class:`~dkv.errors.ProtocolError`, say) is raised as it is.
+        """
+        self._fail()
+        if isinstance(exc, _TIMED_OUT):
+            return OpTimeout(f"receive from {self.peer} timed out after {timeout:.1f}s")
+        if isinstance(exc, OSError):
+            return TransportError(f"receive from {self.peer} failed: {exc}")
+        return exc
 
     def _send_request(self, message: dict[str, Any], timeout: float,
                       most: int | None = None) -> tuple[socket.socket, float]:
