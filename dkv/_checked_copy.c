@@ -670,6 +670,20 @@ static PyTypeObject CheckedCopyType = {
     .tp_getset = CheckedCopy_getset,
 };
 
+/* The length of the first of ``hashes`` (a PySequence_Fast; 0 when empty), which every other must have; -1 with
+ * TypeError set when it is not bytes. */
+static Py_ssize_t hash_length(PyObject *hashes) {
+    if (!PySequence_Fast_GET_SIZE(hashes)) {
+        return 0;
+    }
+    PyObject *first = PySequence_Fast_GET_ITEM(hashes, 0);
+    if (!PyBytes_Check(first)) {
+        PyErr_SetString(PyExc_TypeError, "hashes must be bytes");
+        return -1;
+    }
+    return PyBytes_GET_SIZE(first);
+}
+
 /* Block i of a rows form (rows_copy, recv_rows): its hash (borrowed), and its row in *id; NULL with an exception set
  * when the hash is not bytes of hash_len or the row is not one of row_count. */
 static PyObject *row_of(PyObject *hashes, PyObject *ids, Py_ssize_t i, Py_ssize_t hash_len, Py_ssize_t row_count,
@@ -727,11 +741,8 @@ static PyObject *rows_copy(PyObject *Py_UNUSED(module), PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "the slot map does not cover every hash");
         goto done;
     }
-    Py_ssize_t hash_len = n ? PyBytes_Check(PySequence_Fast_GET_ITEM(hashes, 0))
-                                  ? PyBytes_GET_SIZE(PySequence_Fast_GET_ITEM(hashes, 0)) : -1
-                            : 0;
+    Py_ssize_t hash_len = hash_length(hashes);
     if (hash_len < 0) {
-        PyErr_SetString(PyExc_TypeError, "hashes must be bytes");
         goto done;
     }
     size_t prefix_len = (size_t)head.len + (size_t)hash_len;
@@ -823,11 +834,8 @@ static PyObject *recv_rows(PyObject *Py_UNUSED(module), PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "one 16-byte checksum per hash");
         goto done;
     }
-    Py_ssize_t hash_len = n ? PyBytes_Check(PySequence_Fast_GET_ITEM(hashes, 0))
-                                  ? PyBytes_GET_SIZE(PySequence_Fast_GET_ITEM(hashes, 0)) : -1
-                            : 0;
+    Py_ssize_t hash_len = hash_length(hashes);
     if (hash_len < 0) {
-        PyErr_SetString(PyExc_TypeError, "hashes must be bytes");
         goto done;
     }
     size_t prefix_len = (size_t)head.len + (size_t)hash_len;
