@@ -853,6 +853,19 @@ class WorkerSide:
         self._landed_in_place(state, plan, client, started, posted=False, ends=not slots.received)
         return CompletedTransfer()
 
+    def _row_runs(self, plan: TransferPlan) -> list[RowRun] | None:
+        """The plan as one run into rows per leaf and shard, in :meth:`TransferPlan.keys`'s order; ``None`` unless every
+        shard tensor is CPU rows back to back."""
+        engine = self.copy[plan.device]
+        runs = []
+        for run in plan.runs:
+            for shard, tensor in enumerate(run.shards):
+                rows = engine.flat_rows(tensor)
+                if rows is None:
+                    return None
+                runs.append(RowRun(run.leaf, shard, run.hashes, run.block_ids, *rows))
+        return runs
+
     def _row_run(self, plan: TransferPlan) -> RowRun | None:
         """The plan as one run into rows of one buffer (see :class:`RowRun`): one leaf, one shard, CPU rows back to back."""
         if len(plan.runs) != 1 or len(plan.runs[0].shards) != 1:
@@ -1008,9 +1021,9 @@ class WorkerSide:
         transport: then UCX carries the bytes over TCP anyway, with its own
         copy and a Python step per message on the loop thread). A listener
         read (not same-host, whose reads copy out of the shared segment, and
-        not a lease whose blocks came with its lookup: the node ended it),
-        one leaf, one shard, CPU rows back to back (:meth:`_row_run`), from a
-        node whose client has a direct channel not in use. The copy thread sends the
+        not a lease whose blocks came with its lookup: the node ended it)
+        into CPU rows back to back, every leaf and shard (:meth:`_row_runs`),
+        from a node whose client has a direct channel not in use. The copy thread sends the
         read and receives its blocks straight into the rows, each hashed as
         it lands, without the GIL (:meth:`dkv.client.NodeClient.read_rows_direct`):
         no Python step per block or message, and, with the scheduler thread
@@ -1027,8 +1040,8 @@ class WorkerSide:
         client = self.clients.get(state.address)
         if client is None or client.uses_shared_memory or not client.direct_free:
             return None  # (a same-host read copies out of the shared segment: no bytes on any stream)
-        run = self._row_run(plan)
-        if run is None:
+        runs = self._row_runs(plan)
+        if runs is None:
             return None
         _, finish = self.copy[plan.device].load_targets([])  # CPU rows are filled in place: a finisher that says so
         future: concurrent.futures.Future[Completion | None] = concurrent.futures.Future()
@@ -1043,7 +1056,7 @@ class WorkerSide:
         def read() -> None:  # a copy thread
             started = time.perf_counter()
             try:
-                client.read_rows_direct(state.lease_id, run, answered)  # type: ignore[arg-type]
+                client.read_rows_direct(state.lease_id, runs, answered)  # type: ignore[arg-type]
             except (ChannelBusy, ChannelClosed):  # the node never saw it: the loop reads it, the lease as it was
                 answered()
                 self._read_after_all(state, plan, future)

@@ -800,38 +800,43 @@ done:
     return result;
 }
 
-/* recv_rows(fd, rows, row_bytes, ids, sums, head, hashes, first, timeout) -> bytes (one verdict a block) */
-static PyObject *recv_rows(PyObject *Py_UNUSED(module), PyObject *args) {
-    int fd;
+/* One target of recv_rows: its rows buffer held while the GIL is let go. */
+typedef struct {
+    Py_buffer rows;
+    int has_rows;
+} rows_held_t;
+
+static int by_dest(const void *a, const void *b) {
+    const dkv_block *x = *(const dkv_block *const *)a, *y = *(const dkv_block *const *)b;
+    return x->dest < y->dest ? -1 : x->dest > y->dest;
+}
+
+/* Add target ``t`` (rows, row_bytes, ids, head, hashes) to ``blocks`` from ``*at``: -1 with an exception set. */
+static int take_target(PyObject *t, rows_held_t *held, dkv_block *blocks, Py_ssize_t *at, Py_ssize_t total,
+                       char **prefix_at, const char *prefix_end) {
     PyObject *rows_obj, *ids_obj, *hashes_obj;
     Py_ssize_t row_bytes;
-    Py_buffer sums, head, first;
-    double timeout;
-    if (!PyArg_ParseTuple(args, "iOnOy*y*Oy*d", &fd, &rows_obj, &row_bytes, &ids_obj, &sums, &head, &hashes_obj,
-                          &first, &timeout)) {
-        return NULL;
+    Py_buffer head;
+    if (!PyTuple_Check(t) || !PyArg_ParseTuple(t, "OnOy*O", &rows_obj, &row_bytes, &ids_obj, &head, &hashes_obj)) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "a target is a tuple (rows, row_bytes, ids, head, hashes)");
+        }
+        return -1;
     }
-    Py_buffer rows = {0};
-    int has_rows = 0;
-    PyObject *ids = NULL, *hashes = NULL, *verdicts = NULL, *result = NULL;
-    dkv_block *blocks = NULL;
-    char *prefixes = NULL;
-    if (PyObject_GetBuffer(rows_obj, &rows, PyBUF_WRITABLE) < 0) {
+    int rc = -1;
+    PyObject *ids = NULL, *hashes = NULL;
+    if (PyObject_GetBuffer(rows_obj, &held->rows, PyBUF_WRITABLE) < 0) {
         goto done;
     }
-    has_rows = 1;
+    held->has_rows = 1;
     ids = PySequence_Fast(ids_obj, "ids must be a sequence");
     hashes = ids ? PySequence_Fast(hashes_obj, "hashes must be a sequence") : NULL;
     if (!hashes) {
         goto done;
     }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
-    if (PySequence_Fast_GET_SIZE(ids) != n || row_bytes <= 0 || !(timeout >= 0)) {
-        PyErr_SetString(PyExc_ValueError, "one id per hash, rows of at least one byte, a timeout >= 0");
-        goto done;
-    }
-    if (sums.len != n * DKV_CHECKSUM_SIZE) {
-        PyErr_SetString(PyExc_ValueError, "one 16-byte checksum per hash");
+    if (PySequence_Fast_GET_SIZE(ids) != n || row_bytes <= 0 || *at + n > total) {
+        PyErr_SetString(PyExc_ValueError, "one id per hash, rows of at least one byte, one checksum per block");
         goto done;
     }
     Py_ssize_t hash_len = hash_length(hashes);
@@ -839,33 +844,112 @@ static PyObject *recv_rows(PyObject *Py_UNUSED(module), PyObject *args) {
         goto done;
     }
     size_t prefix_len = (size_t)head.len + (size_t)hash_len;
-    blocks = PyMem_Calloc(n ? n : 1, sizeof(dkv_block));
-    prefixes = PyMem_Malloc(n ? n * prefix_len : 1);
-    verdicts = PyBytes_FromStringAndSize(NULL, n);
-    if (!blocks || !prefixes || !verdicts) {
-        if (!PyErr_Occurred()) {
-            PyErr_NoMemory();
-        }
+    if ((size_t)(prefix_end - *prefix_at) < (size_t)n * prefix_len) {
+        PyErr_SetString(PyExc_ValueError, "the targets' prefixes outgrow their room");
         goto done;
     }
-    Py_ssize_t row_count = rows.len / row_bytes;
+    Py_ssize_t row_count = held->rows.len / row_bytes;
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_ssize_t id;
         PyObject *hash = row_of(hashes, ids, i, hash_len, row_count, &id);
         if (!hash) {
             goto done;
         }
-        for (Py_ssize_t j = 0; j < i; j++) { /* a row written twice would be checked against the second block only */
-            if (blocks[j].dest == (char *)rows.buf + id * row_bytes) {
-                PyErr_Format(PyExc_ValueError, "row %zd is named twice", id);
-                goto done;
-            }
-        }
-        char *prefix = prefixes + (size_t)i * prefix_len;
+        char *prefix = *prefix_at;
         memcpy(prefix, head.buf, (size_t)head.len);
         memcpy(prefix + head.len, PyBytes_AS_STRING(hash), (size_t)hash_len);
-        blocks[i] = (dkv_block){.dest = (char *)rows.buf + id * row_bytes, .len = (size_t)row_bytes,
-                                .prefix = prefix, .prefix_len = prefix_len};
+        *prefix_at += prefix_len;
+        blocks[(*at)++] = (dkv_block){.dest = (char *)held->rows.buf + id * row_bytes, .len = (size_t)row_bytes,
+                                      .prefix = prefix, .prefix_len = prefix_len};
+    }
+    rc = 0;
+done:
+    Py_XDECREF(hashes);
+    Py_XDECREF(ids);
+    PyBuffer_Release(&head);
+    return rc;
+}
+
+/* recv_rows(fd, targets, sums, first, timeout) -> bytes (one verdict a block) */
+static PyObject *recv_rows(PyObject *Py_UNUSED(module), PyObject *args) {
+    int fd;
+    PyObject *targets_obj;
+    Py_buffer sums, first;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "iOy*y*d", &fd, &targets_obj, &sums, &first, &timeout)) {
+        return NULL;
+    }
+    PyObject *targets = NULL, *verdicts = NULL, *result = NULL;
+    rows_held_t *held = NULL;
+    dkv_block *blocks = NULL;
+    const dkv_block **order = NULL;
+    char *prefixes = NULL;
+    Py_ssize_t count = 0;
+    targets = PySequence_Fast(targets_obj, "targets must be a sequence");
+    if (!targets) {
+        goto done;
+    }
+    count = PySequence_Fast_GET_SIZE(targets);
+    Py_ssize_t n = sums.len / DKV_CHECKSUM_SIZE;
+    if (sums.len % DKV_CHECKSUM_SIZE || !(timeout >= 0)) {
+        PyErr_SetString(PyExc_ValueError, "16-byte checksums, one a block, and a timeout >= 0");
+        goto done;
+    }
+    size_t room = 0; /* the prefixes' room: head and hash of every block, bounded by what the targets name */
+    for (Py_ssize_t k = 0; k < count; k++) {
+        PyObject *t = PySequence_Fast_GET_ITEM(targets, k);
+        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 5 || !PyBytes_Check(PyTuple_GET_ITEM(t, 3))) {
+            PyErr_SetString(PyExc_TypeError, "a target is a tuple (rows, row_bytes, ids, head: bytes, hashes)");
+            goto done;
+        }
+        PyObject *hashes = PyTuple_GET_ITEM(t, 4);
+        Py_ssize_t hn = PySequence_Size(hashes);
+        if (hn < 0) {
+            goto done;
+        }
+        Py_ssize_t hash_len = 0;
+        if (hn) {
+            PyObject *first_hash = PySequence_GetItem(hashes, 0);
+            if (!first_hash) {
+                goto done;
+            }
+            hash_len = PyBytes_Check(first_hash) ? PyBytes_GET_SIZE(first_hash) : 0; /* (else refused below) */
+            Py_DECREF(first_hash);
+        }
+        room += (size_t)hn * ((size_t)PyBytes_GET_SIZE(PyTuple_GET_ITEM(t, 3)) + (size_t)hash_len);
+    }
+    held = PyMem_Calloc(count ? count : 1, sizeof(rows_held_t));
+    blocks = PyMem_Calloc(n ? n : 1, sizeof(dkv_block));
+    order = PyMem_Malloc((n ? n : 1) * sizeof(dkv_block *));
+    prefixes = PyMem_Malloc(room ? room : 1);
+    verdicts = PyBytes_FromStringAndSize(NULL, n);
+    if (!held || !blocks || !order || !prefixes || !verdicts) {
+        if (!PyErr_Occurred()) {
+            PyErr_NoMemory();
+        }
+        goto done;
+    }
+    Py_ssize_t at = 0;
+    char *prefix_at = prefixes;
+    for (Py_ssize_t k = 0; k < count; k++) {
+        if (take_target(PySequence_Fast_GET_ITEM(targets, k), &held[k], blocks, &at, n, &prefix_at,
+                        prefixes + room) < 0) {
+            goto done;
+        }
+    }
+    if (at != n) {
+        PyErr_SetString(PyExc_ValueError, "one 16-byte checksum per block the targets name");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        order[i] = &blocks[i];
+    }
+    qsort(order, (size_t)n, sizeof(dkv_block *), by_dest); /* no two blocks may land on the same bytes */
+    for (Py_ssize_t i = 1; i < n; i++) {
+        if (order[i - 1]->dest + order[i - 1]->len > order[i]->dest) {
+            PyErr_SetString(PyExc_ValueError, "two blocks would land on the same row");
+            goto done;
+        }
     }
     struct timespec now;
     clock_gettime(CLOCK_MONOTONIC, &now);
@@ -888,16 +972,20 @@ static PyObject *recv_rows(PyObject *Py_UNUSED(module), PyObject *args) {
         result = Py_NewRef(verdicts);
     }
 done:
+    if (held) {
+        for (Py_ssize_t k = 0; k < count; k++) {
+            if (held[k].has_rows) {
+                PyBuffer_Release(&held[k].rows);
+            }
+        }
+    }
+    PyMem_Free(held);
     PyMem_Free(blocks);
+    PyMem_Free((void *)order);
     PyMem_Free(prefixes);
     Py_XDECREF(verdicts);
-    Py_XDECREF(hashes);
-    Py_XDECREF(ids);
-    if (has_rows) {
-        PyBuffer_Release(&rows);
-    }
+    Py_XDECREF(targets);
     PyBuffer_Release(&sums);
-    PyBuffer_Release(&head);
     PyBuffer_Release(&first);
     return result;
 }
@@ -956,12 +1044,13 @@ static PyMethodDef methods[] = {
      "wait_ended(timeout) -> list[CheckedCopy]: the posted copies whose shares have all ended since the last "
      "call, each once; waits up to ``timeout`` seconds for one, without the GIL."},
     {"recv_rows", recv_rows, METH_VARARGS,
-     "recv_rows(fd, rows, row_bytes, ids, sums, head, hashes, first, timeout) -> bytes: receive len(hashes) blocks "
-     "of row_bytes each, back to back from the stream socket fd (``first``: bytes of them already read), block i "
-     "into rows[ids[i] * row_bytes:][:row_bytes], each hashed as it lands (prefix head || hashes[i]) and compared "
-     "with sums[16 * i:][:16]; one verdict byte a block (1: it matched). Without the GIL. TimeoutError past "
-     "``timeout`` s, ConnectionResetError when the stream ends first, OSError when a receive fails: the rows "
-     "then hold partial bytes."},
+     "recv_rows(fd, targets, sums, first, timeout) -> bytes: receive blocks back to back from the stream socket fd "
+     "(``first``: bytes of them already read), target by target, each target a tuple (rows, row_bytes, ids, head, "
+     "hashes) whose block i goes into rows[ids[i] * row_bytes:][:row_bytes], hashed as it lands (prefix head || "
+     "hashes[i]) and compared with its checksum in ``sums`` (16 bytes a block, in the same order); one verdict "
+     "byte a block (1: it matched). Without the GIL. Every bound is checked first (ValueError, TypeError; no two "
+     "blocks on the same bytes). TimeoutError past ``timeout`` s, ConnectionResetError when the stream ends "
+     "first, OSError when a receive fails: the rows then hold partial bytes."},
     {"rows_copy", rows_copy, METH_VARARGS,
      "rows_copy(segment, rows, row_bytes, ids, offsets, sizes, sums, head, hashes) -> CheckedCopy | None: a "
      "CheckedCopy of len(hashes) blocks into rows of one buffer (block i into rows[ids[i] * row_bytes:][:row_bytes]) "

@@ -1167,8 +1167,8 @@ class NodeClient:
         return not self._closed and any(isinstance(d.conn, DirectChannel) and not d.conn.closed and not d.conn.in_use
                                         for d in self._directs)
 
-    def read_rows_direct(self, lease_id: int, run: RowRun, answered: Callable[[], None] | None = None) -> None:
-        """Any thread but the loop: :meth:`read` of ``run`` over a direct channel, its blocks received into the rows natively.
+    def read_rows_direct(self, lease_id: int, runs: Sequence[RowRun], answered: Callable[[], None] | None = None) -> None:
+        """Any thread but the loop: :meth:`read` of ``runs`` over a direct channel, their blocks received into the rows natively.
 
         One request (``end``: the read ends the lease on the node) on a direct
         channel not in use; the node answers with the blocks' sizes and
@@ -1177,7 +1177,7 @@ class NodeClient:
         straight into the rows, hashing each block as it lands, without the
         GIL. ``answered()`` is called once the node's answer is in (it began
         the read: the lease is the read's). Blocks of one size, checksums on,
-        a request that fits one frame. Raises
+        a request that fits one frame; ``runs`` name no row twice. Raises
         :class:`~dkv.direct_channel.ChannelBusy` or
         :class:`~dkv.direct_channel.ChannelClosed` when the node did not see
         the request (the caller may read the usual way: the lease is as it
@@ -1187,10 +1187,11 @@ class NodeClient:
         :class:`~dkv.errors.OpTimeout` where the channel failed (the lease may
         have ended with the request).
         """
-        if not self.checksums or not run.hashes or not self._fits_without_estimate(len(run.hashes)):
+        count = sum(len(run.hashes) for run in runs)
+        if not self.checksums or not count or not self._fits_without_estimate(count):
             raise ChannelBusy("this read is not one for a direct channel: read it the usual way")
         direct, channel = self._free_direct()
-        wire_keys = [[run.leaf, run.shard, h] for h in run.hashes]
+        wire_keys = [[run.leaf, run.shard, h] for run in runs for h in run.hashes]
         with self._lock:
             looked_up = self._lease_hashes.get(lease_id)
         places = _places(wire_keys, *looked_up) if looked_up is not None else None
@@ -1200,24 +1201,25 @@ class NodeClient:
         ends = self._take_ends()
         if ends:
             message["ends"] = ends
-        count = len(run.hashes)
         unsummed = [0]  # blocks the node named no checksum for (they fail)
+        rows_bytes = [run.row_bytes for run in runs for _ in run.hashes]  # each block's size, in the stream's order
 
-        def expect(reply: dict[str, Any]) -> RowsTarget | None:
+        def expect(reply: dict[str, Any]) -> tuple[list[RowsTarget], bytes] | None:
             if reply.get("ok") is False:
                 return None  # (judged below)
             sizes = reply.get("sizes")
             if not isinstance(sizes, list) or len(sizes) != count:
                 raise ProtocolError("read reply names a different number of blocks")
-            if any(n != run.row_bytes for n in sizes):
-                raise ProtocolError(f"read reply names blocks of other sizes than the rows' {run.row_bytes} bytes")
+            if sizes != rows_bytes:
+                raise ProtocolError("read reply names blocks of other sizes than their rows'")
             if answered is not None:
                 answered()
             named = _sums_for(reply.get("sums"), count)
             unsummed[0] = sum(1 for s in named if not is_checksum(s))
             sums = b"".join(s if is_checksum(s) else _NO_CHECKSUM for s in named)
-            return RowsTarget(run.rows, run.row_bytes, run.ids, sums,
-                              block_head(run.leaf, run.shard, run.row_bytes, len(run.hashes[0])), run.hashes)
+            return [RowsTarget(run.rows, run.row_bytes, run.ids,
+                               block_head(run.leaf, run.shard, run.row_bytes, len(run.hashes[0])), run.hashes)
+                    for run in runs if run.hashes], sums
 
         try:
             reply, verdicts = channel.exchange_into_rows(message, self.timeout, expect)

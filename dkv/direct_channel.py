@@ -94,18 +94,17 @@ class ChannelClosed(TransportError):
 
 
 class RowsTarget(NamedTuple):
-    """Where :meth:`DirectChannel.exchange_into_rows` receives a read's blocks, and what each must hash to.
+    """One run of a read's blocks for :meth:`DirectChannel.exchange_into_rows`: where they land, what they hash to.
 
     Block ``i`` (``row_bytes`` long) goes into row ``ids[i]`` of ``rows``
     (a writable buffer of whole rows); its checksum is XXH3-128 of ``head ||
-    hashes[i] || bytes`` (:func:`dkv.checksum.block_head`), to match
-    ``sums[16 * i:][:16]``.
+    hashes[i] || bytes`` (:func:`dkv.checksum.block_head`). A tuple of these
+    five, as :func:`dkv._checked_copy.recv_rows` takes it.
     """
 
     rows: Any
     row_bytes: int
     ids: Sequence[int]
-    sums: bytes
     head: bytes
     hashes: Sequence[bytes]
 
@@ -182,12 +181,15 @@ class DirectChannel:
             self._let_go()
 
     def exchange_into_rows(self, message: dict[str, Any], timeout: float,
-                           expect: Callable[[dict[str, Any]], RowsTarget | None]) -> tuple[dict[str, Any], bytes | None]:
+                           expect: Callable[[dict[str, Any]], tuple[Sequence[RowsTarget], bytes] | None],
+                           ) -> tuple[dict[str, Any], bytes | None]:
         """Send ``message`` (a read), then receive the blocks that follow its reply straight into rows, within ``timeout``.
 
         ``expect(reply)`` judges the reply before any block byte is read: it
-        returns where the blocks go (:class:`RowsTarget`), ``None`` where the
-        reply brings none (an error reply: nothing may follow it), or raises
+        returns where the blocks go, run by run in the stream's order
+        (:class:`RowsTarget`), with their checksums (16 bytes a block, in
+        that order), ``None`` where the reply brings none (an error reply:
+        nothing may follow it), or raises
         (the node is sending bytes nobody will read: the channel closes). The
         blocks are received natively, without the GIL, each hashed as its bytes
         land (:func:`dkv._checked_copy.recv_rows`). Returns the reply and one
@@ -205,14 +207,14 @@ class DirectChannel:
                 buffer, end, got = _receive_frame(sock, memoryview(self._inbox), deadline, self.max_frame,
                                                   self._spin_ns, bytes_may_follow=True)
                 reply = decode_body(buffer[HEADER_SIZE:end])
-                target = expect(reply)
-                if target is None:
+                expected = expect(reply)
+                if expected is None:
                     if got > end:
                         raise ProtocolError(f"{got - end} bytes past a reply that names none: the stream is out of step")
                     self.exchanges += 1
                     return reply, None
-                verdicts = _recv_rows(sock.fileno(), target.rows, target.row_bytes, target.ids, target.sums,
-                                      target.head, target.hashes, bytes(buffer[end:got]),
+                targets, sums = expected
+                verdicts = _recv_rows(sock.fileno(), targets, sums, bytes(buffer[end:got]),
                                       max(deadline - time.monotonic(), 0.0))
             except BaseException as exc:  # (a reply the caller refused, too: the node is sending bytes no one reads)
                 failure = self._failed(exc, timeout)

@@ -22,7 +22,7 @@ from connector.dkv_connector import DKVConnector
 from connector.types import KVLoadFailed, full_attention
 from dkv.client import NodeClient
 from tests.conftest import node_stats, wait_for_stats
-from tests.connector.conftest import device_blocks
+from tests.connector.conftest import device_blocks, two_leaves
 from tests.connector.test_connector import BOUND, answered, chain, offload_chain, wait
 from tests.connector.test_connector_in_place import _rows
 
@@ -33,14 +33,15 @@ PAGE = 64 * 1024
 COUNT = 6
 
 
-def _listener_reader(node_factory, connectors, **kwargs) -> tuple[object, DKVConnector, list[bytes], DKVConnector]:  # noqa: ANN001
+def _listener_reader(node_factory, connectors, leaves=ONE_LEAF,  # noqa: ANN001
+                     **kwargs) -> tuple[object, DKVConnector, list[bytes], DKVConnector]:
     """A node holding ``COUNT`` blocks of ``PAGE`` bytes, their writer, and a listener reader whose lookups bring no bytes."""
     node = node_factory()
-    writer = connectors(node.address, leaves=ONE_LEAF, blocks=device_blocks(ONE_LEAF, page_bytes=PAGE))
+    writer = connectors(node.address, leaves=leaves, blocks=device_blocks(leaves, page_bytes=PAGE))
     hashes = chain(COUNT)
     offload_chain(writer, writer._blocks, hashes)  # noqa: SLF001
     kwargs.setdefault("lookup_payload_bytes", 0)  # (a lookup that brought the bytes would need no read)
-    reader = connectors(node.address, leaves=ONE_LEAF, blocks=device_blocks(ONE_LEAF, page_bytes=PAGE), local=False,
+    reader = connectors(node.address, leaves=leaves, blocks=device_blocks(leaves, page_bytes=PAGE), local=False,
                         **kwargs)
     deadline = time.monotonic() + BOUND
     while not reader._clients[node.address].direct_free:  # noqa: SLF001 - opened on the first lookup
@@ -82,6 +83,19 @@ async def test_a_listener_load_reads_over_a_direct_channel_bit_exact_with_no_rea
     assert reader.counters.blocks_loaded == COUNT and reader.counters.loads_failed == 0
     assert (await wait_for_stats(node.address, lambda s: s["leases"] == 0))["leases"] == 0
     assert reader.lookup(hashes) == {"full": [True] * COUNT}  # lookups in place again once its answer was in
+
+
+def test_a_load_of_several_leaves_and_shards_reads_over_one_channel_bit_exact(node_factory, connectors,
+                                                                             loop_reads) -> None:
+    _, writer, hashes, reader = _listener_reader(node_factory, connectors, leaves=two_leaves(tp=2))
+    ids = list(range(1, COUNT + 1))
+    handle = reader.start_lookup(hashes)
+    assert answered(handle) == {"full": [True] * COUNT, "swa": [True] * COUNT}
+    wait(reader.load_lookup(handle, {"full": ids, "swa": ids[-2:]}, {"full": hashes, "swa": hashes[-2:]}))
+    assert _rows(reader, "full", ids) == _rows(writer, "full", ids)  # (every shard's rows)
+    assert _rows(reader, "swa", ids[-2:]) == _rows(writer, "swa", ids[-2:])
+    assert not loop_reads, "the load was read through the loop"
+    assert reader.counters.blocks_loaded == 2 * (COUNT + 2)
 
 
 def test_with_direct_reads_off_the_loop_reads(node_factory, connectors, loop_reads) -> None:

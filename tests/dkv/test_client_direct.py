@@ -428,8 +428,8 @@ def test_blocks_over_a_tcp_direct_channel_that_do_not_match_the_request_are_a_pr
 # ---- a read over a direct channel, received natively into rows (NodeClient.read_rows_direct) ------------------
 
 
-def _rows_run(hashes: list[bytes], rows: Any, ids: list[int] | None = None) -> RowRun:
-    return RowRun("L", 0, hashes, ids or list(range(1, len(hashes) + 1)), memoryview(rows).cast("B"), BLOCK)
+def _rows_run(hashes: list[bytes], rows: Any, ids: list[int] | None = None) -> list[RowRun]:
+    return [RowRun("L", 0, hashes, ids or list(range(1, len(hashes) + 1)), memoryview(rows).cast("B"), BLOCK)]
 
 
 @pytest.mark.parametrize("listener", [False, True], ids=["same-host", "listener"])

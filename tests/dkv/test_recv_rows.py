@@ -39,9 +39,13 @@ def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
 
 
 def _recv_rows():
+    """``recv_rows`` of one target, as most of these call it."""
     from dkv._checked_copy import recv_rows
 
-    return recv_rows
+    def one(fd, rows, row_bytes, ids, sums, head, hashes, first, timeout):  # noqa: ANN001, ANN202
+        return recv_rows(fd, [(rows, row_bytes, ids, head, hashes)], sums, first, timeout)
+
+    return one
 
 
 def _blocks(n: int, row: int = ROW, hash_length: int = 32) -> tuple[list[bytes], list[bytes], bytes]:
@@ -172,4 +176,40 @@ def test_bad_arguments_are_refused_before_a_byte_is_read(pair, case: str) -> Non
         timeout = -1.0
     with pytest.raises((ValueError, TypeError, BufferError)):
         _recv_rows()(b.fileno(), rows, row, ids, sums, block_head(LEAF, 0, ROW, 32), hashes, b"", timeout)
+    assert len(b.recv(2 * ROW, socket.MSG_PEEK | socket.MSG_WAITALL)) == 2 * ROW, "it read before refusing"
+
+
+def test_several_targets_take_their_blocks_in_turn_each_with_its_own_rows_and_prefix(pair) -> None:
+    from dkv._checked_copy import recv_rows
+
+    a, b = pair
+    small, large = 16 * 1024, ROW
+    h1, d1 = [os.urandom(32) for _ in range(3)], [os.urandom(small) for _ in range(3)]
+    h2, d2 = [os.urandom(8) for _ in range(2)], [os.urandom(large) for _ in range(2)]
+    sums = b"".join([block_checksum("swa", 0, h, d) for h, d in zip(h1, d1)]
+                    + [block_checksum("full", 1, h, d) for h, d in zip(h2, d2)])
+    rows1, rows2 = np.zeros((4, small), np.uint8), np.zeros((3, large), np.uint8)
+    sender = _send_in_pieces(a, b"".join(d1 + d2)[50:], 5000)
+    verdicts = recv_rows(b.fileno(), [(memoryview(rows1).cast("B"), small, [3, 1, 2], block_head("swa", 0, small, 32), h1),
+                                      (memoryview(rows2).cast("B"), large, [2, 1], block_head("full", 1, large, 8), h2)],
+                         sums, b"".join(d1 + d2)[:50], 10.0)
+    sender.join(10)
+    assert verdicts == b"\x01" * 5
+    assert [rows1[i].tobytes() for i in (3, 1, 2)] == d1 and [rows2[i].tobytes() for i in (2, 1)] == d2
+
+
+def test_two_targets_over_the_same_rows_may_not_name_one_row_twice(pair) -> None:
+    from dkv._checked_copy import recv_rows
+
+    a, b = pair
+    hashes, data, sums = _blocks(2)
+    a.sendall(data[0] + data[1])
+    rows = memoryview(np.zeros((3, ROW), np.uint8)).cast("B")
+    head = block_head(LEAF, 0, ROW, 32)
+    with pytest.raises(ValueError, match="same row"):
+        recv_rows(b.fileno(), [(rows, ROW, [1], head, hashes[:1]), (rows, ROW, [1], head, hashes[1:])], sums, b"", 5.0)
+    with pytest.raises(ValueError):  # more checksums than blocks
+        recv_rows(b.fileno(), [(rows, ROW, [1], head, hashes[:1])], sums, b"", 5.0)
+    with pytest.raises(TypeError):
+        recv_rows(b.fileno(), [(rows, ROW, [1], head)], sums[:16], b"", 5.0)
     assert len(b.recv(2 * ROW, socket.MSG_PEEK | socket.MSG_WAITALL)) == 2 * ROW, "it read before refusing"
