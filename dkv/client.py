@@ -1221,18 +1221,22 @@ class NodeClient:
                                block_head(run.leaf, run.shard, run.row_bytes, len(run.hashes[0])), run.hashes)
                     for run in runs if run.hashes], sums
 
+        sent = True  # (the node may have seen the read: the lease is the read's, or ended with it)
         try:
             reply, verdicts = channel.exchange_into_rows(message, self.timeout, expect)
         except BaseException as exc:
-            if ends and isinstance(exc, (ChannelClosed, ChannelBusy)):
+            sent = not isinstance(exc, (ChannelClosed, ChannelBusy))
+            if ends and not sent:
                 with self._lock:
                     self._ends[:0] = ends  # the node never saw them: the next request carries them
             if channel.closed:
                 self._lost(direct)
             raise
-        with self._lock:
-            self._lease_hashes.pop(lease_id, None)
-            self._forget_slots_locked(lease_id)
+        finally:
+            if sent:  # what was kept for the lease's load: its read is this one, however it ended
+                with self._lock:
+                    self._lease_hashes.pop(lease_id, None)
+                    self._forget_slots_locked(lease_id)
         _check_reply(reply)
         if verdicts is None or verdicts.count(0):  # (None: an ok reply is always followed by its blocks)
             first = verdicts.index(0) if verdicts is not None else 0

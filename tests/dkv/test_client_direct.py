@@ -473,10 +473,12 @@ async def test_a_read_over_a_direct_channel_waits_for_a_free_one_never_and_a_hun
     node.pause()
     try:
         started = time.monotonic()
+        assert found.lease_id in raw._lease_hashes  # noqa: SLF001 - kept for its read, which the busy channel refused
         with pytest.raises(OpTimeout):
             raw.read_rows_direct(found.lease_id, _rows_run(hashes, rows))
         assert time.monotonic() - started < 10  # the 1 s bound, generously
         assert not raw.direct_ready  # the stream may be out of step: closed
+        assert found.lease_id not in raw._lease_hashes  # noqa: SLF001 - its read was sent: nothing kept for it now
     finally:
         node.resume()
 
