@@ -388,6 +388,37 @@ def test_a_completed_load_holds_no_buffer_of_the_nodes_segment(node_factory, con
             time.sleep(0.05)
 
 
+def test_a_copy_thread_load_lets_go_of_its_plan_and_lease_as_it_lands(node_factory, connectors, monkeypatch) -> None:
+    """A completed transfer the engine (and the books) still hold keeps neither its plan nor its lookup's lease.
+
+    Each holds every block's hash and id; freed where the load lands (a copy
+    thread, the watcher), not when the scheduler thread's next ``load()``
+    drops the transfer from the books, which cost that call several µs.
+    """
+    import gc
+
+    from connector.scheduler_side import LeaseState
+
+    monkeypatch.setattr("connector.worker_side.IN_PLACE_LOAD_BYTES", 0)
+    node = node_factory()
+    conn = connectors(node.address)
+    hashes, expected = _offloaded_then_overwritten(conn, 4, seed=29)
+
+    def ours() -> list[object]:
+        return [o for o in gc.get_objects() if (type(o) is TransferPlan and o.runs and o.runs[0].hashes == hashes)
+                or (type(o) is LeaseState and o.hashes == hashes)]
+
+    conn.lookup(hashes)
+    transfer = conn.load({"full": [1, 2, 3, 4]}, {"full": hashes})
+    wait(transfer)
+    assert _rows(conn, "full", [1, 2, 3, 4]) == expected and conn.counters.loads_in_place == 1
+    assert transfer in conn._worker.transfers  # noqa: SLF001 - still booked, and held here as an engine holds it
+    deadline = time.monotonic() + BOUND  # (the thread that landed it lets go right after it resolved the transfer)
+    while ours():
+        assert time.monotonic() < deadline, f"a landed load still holds {sorted({type(o).__name__ for o in ours()})}"
+        time.sleep(0.02)
+
+
 @pytest.mark.parametrize("where", ["in place", "copy threads", "listener"])
 def test_settled_loads_leave_the_books_and_no_garbage_for_the_collector(node_factory, connectors, monkeypatch,
                                                                        where: str) -> None:
