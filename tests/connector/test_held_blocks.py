@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from connector import held_blocks
 from connector.held_blocks import HeldBlocks
 
 
@@ -105,3 +106,61 @@ def test_a_mix_of_old_young_and_new_pairs_reports_exactly_the_new_ones(seed: int
         rng.shuffle(mixed)
         assert held.lacking("full", mixed) == [i for i, h in enumerate(mixed) if h in new]
         assert held.lacking("swa", mixed) == list(range(len(mixed)))  # another leaf knows none of them
+
+
+def test_the_filter_before_the_dicts_is_built() -> None:
+    assert held_blocks._filter_maybe is not None, (
+        "dkv._hash_filter was not built: install a C compiler, then `pip install -e .` again (scripts/run.sh does both)")
+    assert HeldBlocks(capacity=64)._young_bits is not None
+
+
+@pytest.mark.parametrize("filter_bits", [64, 1, 0])
+@pytest.mark.parametrize("seed", range(6))
+def test_with_or_without_its_filter_the_memory_answers_alike(seed: int, filter_bits: int) -> None:
+    """Learning, forgetting absent pairs, ageing out and generations turning over, in a random order: a memory
+    with a filter (the default, and one so small that most hashes pass it: the dicts decide) answers every
+    question exactly as one without."""
+    import random
+
+    rng = random.Random(seed)
+    clock = Clock()
+    exact = HeldBlocks(capacity=48, max_age=20.0, clock=clock, filter_bits=0)
+    filtered = HeldBlocks(capacity=48, max_age=20.0, clock=clock, filter_bits=filter_bits)
+    universe = {leaf: hashes(60, salt=salt) + [bytes(rng.getrandbits(8) for _ in range(32)) for _ in range(30)]
+                for salt, leaf in enumerate(("full", "swa"))}
+    for _ in range(300):
+        leaf = rng.choice(("full", "swa"))
+        pool = universe[leaf]
+        action = rng.random()
+        if action < 0.45:
+            picked = rng.sample(pool, rng.randint(1, 12))
+            for memory in (exact, filtered):
+                memory.learn(leaf, held=picked)
+        elif action < 0.6:
+            picked = rng.sample(pool, rng.randint(1, 6))
+            for memory in (exact, filtered):
+                memory.learn(leaf, absent=picked)
+        elif action < 0.65:
+            clock.now += rng.choice((1.0, 8.0, 25.0))
+        elif action < 0.67:
+            for memory in (exact, filtered):
+                memory.forget()
+        asked = rng.sample(pool, rng.randint(0, 20))
+        assert filtered.lacking(leaf, asked) == exact.lacking(leaf, asked)
+        assert filtered.lacking(leaf, tuple(asked)) == exact.lacking(leaf, asked)
+    assert len(filtered) == len(exact)
+
+
+def test_hashes_the_filter_cannot_take_are_answered_by_the_dicts() -> None:
+    held = HeldBlocks(capacity=64, clock=Clock())
+    run = hashes(4)
+    held.learn("full", held=run[:2])
+    assert held.lacking("full", run[1:] + [b"xy"]) == [1, 2, 3]  # one too short for the filter: the dicts answer
+    held.learn("full", held=[b"xy"])  # not one the filter takes: it is dropped, the dicts go on alone
+    assert held._young_bits is None and held.lacking("full", run + [b"xy"]) == [2, 3]
+
+
+def test_a_negative_filter_size_is_refused() -> None:
+    with pytest.raises(ValueError):
+        HeldBlocks(capacity=64, filter_bits=-1)
+
