@@ -419,23 +419,27 @@ def test_a_copy_thread_load_lets_go_of_its_plan_and_lease_as_it_lands(node_facto
         time.sleep(0.02)
 
 
-@pytest.mark.parametrize("where", ["in place", "copy threads"])
-def test_handles_loaded_from_their_slot_maps_leave_none_of_their_hashes_behind(node_factory, connectors, monkeypatch,
-                                                                               where: str) -> None:
+@pytest.mark.parametrize("where", ["in place", "copy threads", "listener, sent with the answer", "listener, read"])
+def test_handles_loaded_leave_none_of_their_hashes_behind(node_factory, connectors, monkeypatch, where: str) -> None:
     """Each ``start_lookup`` handle's lease has a group of its own, which no later lookup ends: what the client
     kept for its read must go when its load is copied from the slot map instead (it was kept until the bound,
-    4 096 leases later: lists of hashes for the collector to walk on the scheduler thread)."""
+    4 096 leases later: lists of hashes for the collector to walk on the scheduler thread), or once it is read."""
     if where == "copy threads":
         monkeypatch.setattr("connector.worker_side.IN_PLACE_LOAD_BYTES", 0)
     node = node_factory()
-    conn = connectors(node.address)
+    if where.startswith("listener"):
+        conn = connectors(node.address, local=False, **({"lookup_payload_bytes": 0} if where.endswith("read") else {}))
+    else:
+        conn = connectors(node.address)
     hashes, expected = _offloaded_then_overwritten(conn, 4, seed=31)
     client = conn._clients[node.address]  # noqa: SLF001
     for _ in range(12):
         handle = conn.start_lookup(hashes)
         assert all(answered(handle)["full"])
         wait(conn.load_lookup(handle, {"full": [1, 2, 3, 4]}, {"full": hashes}))
-    assert _rows(conn, "full", [1, 2, 3, 4]) == expected and conn.counters.loads_in_place == 12
+    assert _rows(conn, "full", [1, 2, 3, 4]) == expected and conn.counters.blocks_loaded == 12 * 4
+    if where.startswith("listener"):  # the path it names was the one taken
+        assert (client.lookups_with_payload > 0) == where.endswith("answer")
     assert len(client._lease_hashes) == 0, f"{len(client._lease_hashes)} loaded leases' hashes kept"  # noqa: SLF001
     assert len(client._lease_slots) == 0  # noqa: SLF001
 
