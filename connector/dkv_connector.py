@@ -226,7 +226,7 @@ class DKVConnector:
         ``direct_reads`` (default: where UCX may use no RDMA transport, see
         :func:`dkv.transport.rdma_possible`): a load that reads from a node
         (its blocks came with no lookup and lie in no shared segment) goes
-        over a free direct channel instead of UCX, received on a copy thread
+        over a free direct channel instead of UCX, received on a read thread
         straight into CPU rows, each block hashed as it lands, without the
         GIL (*Twenty-fifth round* in the README). Where UCX has RDMA it
         carries the bytes without either CPU's copy: off there by default.

@@ -789,7 +789,7 @@ class WorkerSide:
         """Scheduler thread: post a validated load; :class:`KVLoadFailed` (lease released) if posting failed.
 
         A load of CPU rows from a node this client has a free direct channel
-        to is read over it instead, on a copy thread (:meth:`_read_on_channel`).
+        to is read over it instead, on a read thread (:meth:`_read_on_channel`).
         """
         transfer = self._read_on_channel(state, plan)
         if transfer is not None:
@@ -1023,7 +1023,7 @@ class WorkerSide:
         sched.add_metrics(h2d_bytes_copied=plan.nbytes, dkv_peer_loads=int(state.peer))
 
     def _read_on_channel(self, state: LeaseState, plan: TransferPlan) -> Transfer | None:
-        """Scheduler thread: a load read over a free direct channel, on a copy thread; ``None``: post it to the loop.
+        """Scheduler thread: a load read over a free direct channel, on a read thread; ``None``: post it to the loop.
 
         With ``direct_reads`` only (on by default where UCX has no RDMA
         transport: then UCX carries the bytes over TCP anyway, with its own
@@ -1031,8 +1031,9 @@ class WorkerSide:
         read (not same-host, whose reads copy out of the shared segment, and
         not a lease whose blocks came with its lookup: the node ended it)
         into CPU rows back to back, every leaf and shard (:meth:`_row_runs`),
-        from a node whose client has a direct channel not in use. The copy thread sends the
-        read and receives its blocks straight into the rows, each hashed as
+        from a node whose client has a direct channel not in use. A read thread
+        (:func:`dkv.copy_threads.submit_read`: not a copy thread, which the
+        network wait would hold) sends the read and receives its blocks straight into the rows, each hashed as
         it lands, without the GIL (:meth:`dkv.client.NodeClient.read_rows_direct`):
         no Python step per block or message, and, with the scheduler thread
         busy in Python, one GIL hand-off at each end instead of one per step
@@ -1061,7 +1062,7 @@ class WorkerSide:
                     waiting[0] = False
                     self._channel_reads_unanswered -= 1
 
-        def read() -> None:  # a copy thread
+        def read() -> None:  # a read thread
             started = time.perf_counter()
             try:
                 client.read_rows_direct(state.lease_id, runs, answered)  # type: ignore[arg-type]
@@ -1088,8 +1089,8 @@ class WorkerSide:
             self.tasks.add(future)
         future.add_done_callback(self._forget)
         try:
-            job = copy_threads.submit(read)
-        except RuntimeError:  # no copy thread takes work any more (the interpreter is shutting down)
+            job = copy_threads.submit_read(read)
+        except RuntimeError:  # no thread takes work any more (the interpreter is shutting down)
             answered()
             future.cancel()
             return None

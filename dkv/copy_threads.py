@@ -12,7 +12,8 @@ that starts late, or shares its core with the loop, no longer leaves the
 other idle at the end). No thread waits for another: the thread that
 finishes the last chunk settles the copy's future.
 
-Any thread may start work here (:func:`submit`); the threads are made on
+Any thread may start work here (:func:`submit`; a direct channel's read,
+which mostly waits on the network, on threads of its own: :func:`submit_read`); the threads are made on
 first use, again in a forked child (a pool inherited over ``fork`` has no
 threads behind it), and are joined at interpreter exit after the work they
 hold.
@@ -42,22 +43,47 @@ CHUNK_BYTES = 1 << 20  # a chunk at least: enough to amortise its slices of the 
 # --busy-caller), and no less time with the caller waiting.
 CHUNKS = COPY_THREADS
 
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_pool_pid = -1
-_pool_lock = threading.Lock()
+# A read over a direct channel waits on the network for most of its run, without the GIL: it gets a thread of
+# its own, so that reads from several nodes at once, and the copies, never queue behind each other's waits.
+READ_THREADS = 16  # (made as reads come, up to this many; a read past them waits for one to end)
+
+
+class _Threads:
+    """A pool of threads made on first use, and again in a forked child (one inherited over ``fork`` has none)."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self._threads, self._name = threads, name
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pid = -1
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        pool = self._pool
+        if pool is None or self._pid != os.getpid():
+            with self._lock:
+                if self._pool is None or self._pid != os.getpid():
+                    self._pool = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix=self._name)
+                    self._pid = os.getpid()
+                pool = self._pool
+        return pool.submit(fn, *args)
+
+
+_copy_threads = _Threads(COPY_THREADS, "dkv-copy")
+_read_threads = _Threads(READ_THREADS, "dkv-read")
 
 
 def submit(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
     """Any thread: run ``fn(*args)`` on a copy thread."""
-    global _pool, _pool_pid
-    pool = _pool
-    if pool is None or _pool_pid != os.getpid():
-        with _pool_lock:
-            if _pool is None or _pool_pid != os.getpid():
-                _pool = concurrent.futures.ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="dkv-copy")
-                _pool_pid = os.getpid()
-            pool = _pool
-    return pool.submit(fn, *args)
+    return _copy_threads.submit(fn, *args)
+
+
+def submit_read(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+    """Any thread: run ``fn(*args)``, a read that waits on the network (a direct channel's), on a thread of its own.
+
+    Not on the copy threads: a read held one for its whole run, network wait
+    included, so a third read at once, or any copy, waited for one to end.
+    """
+    return _read_threads.submit(fn, *args)
 
 
 def chunk_bounds(count: int, nbytes: int) -> list[int]:

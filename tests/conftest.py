@@ -307,8 +307,9 @@ async def leak_check() -> AsyncIterator[None]:
     assert not ucx_tasks, f"tasks left running on the UCX loop: {ucx_tasks}"
     def stray_threads() -> list[threading.Thread]:
         return [t for t in threading.enumerate() if t.ident not in threads_before and t.is_alive()
-                and not t.name.startswith(("asyncio_", "uvloop_", "dkv-copy"))]  # a loop's own default executor
-    # (either kind), and the process's copy threads (dkv.copy_threads): made once, shared by every copy
+                and not t.name.startswith(("asyncio_", "uvloop_", "dkv-copy", "dkv-read"))]  # a loop's own
+    # default executor (either kind), and the process's copy and read threads (dkv.copy_threads): made as work
+    # first comes, then shared by every copy and every direct channel's read
 
     deadline = time.monotonic() + 5  # a thread told to stop (gRPC's poller, say) may take a moment to end
     while stray_threads() and time.monotonic() < deadline:

@@ -105,6 +105,33 @@ def test_with_direct_reads_off_the_loop_reads(node_factory, connectors, loop_rea
     assert loop_reads == [1]
 
 
+def test_a_read_over_a_channel_never_waits_for_the_copy_threads(node_factory, connectors, loop_reads) -> None:
+    """A read mostly waits on the network: on a copy thread it held one for its whole run, so reads from more
+    nodes than there are copy threads, and every copy, queued behind those waits. Here every copy thread is
+    held, and the read still lands, over its channel."""
+    from dkv import copy_threads
+
+    _, writer, hashes, reader = _listener_reader(node_factory, connectors)
+    release = threading.Event()
+    started = threading.Semaphore(0)
+
+    def hold() -> None:
+        started.release()
+        release.wait(BOUND)
+
+    held = [copy_threads.submit(hold) for _ in range(copy_threads.COPY_THREADS)]
+    try:
+        for _ in held:
+            assert started.acquire(timeout=BOUND), "a copy thread never took its work"
+        wait(_load(reader, hashes))
+    finally:
+        release.set()
+        for job in held:
+            job.result(BOUND)
+    assert _rows(reader, "full", list(range(1, COUNT + 1))) == _rows(writer, "full", list(range(1, COUNT + 1)))
+    assert loop_reads == []
+
+
 def test_a_load_that_finds_every_channel_busy_is_read_by_the_loop(node_factory, connectors, loop_reads) -> None:
     node, writer, hashes, reader = _listener_reader(node_factory, connectors, direct_channels=1)
     handle = reader.start_lookup(hashes)
