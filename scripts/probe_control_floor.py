@@ -10,12 +10,18 @@ socket, from a blocking client on this thread to a server in another process
                  against the same blocking server answering a canned framed reply;
   direct+uvloop  the same client against a server on uvloop built from the node's own stream
                  (:class:`dkv.stream_channel.StreamConnection`: ``recv_message``/``send_message``);
-  node lookup    ``NodeClient.lookup_direct`` of ``--hashes`` held hashes against a real node.
+  node lookup    ``NodeClient.lookup_direct`` of ``--hashes`` held hashes against a real node;
+  connector lookup  ``DKVConnector.lookup`` of the same hashes (in place, over the connector's own
+                 direct channel);
+  one-block load ``lookup`` + ``load`` of the first hash's block (``--block-size``) until complete:
+                 what ``scripts/bench.py`` times as its same-host one-block load.
 
 So ``direct - socket`` is the client's framing and checks, ``direct+uvloop -
-direct`` the event loop and stream layer a node pays per request, and
+direct`` the event loop and stream layer a node pays per request,
 ``node lookup - direct+uvloop`` the node's own handling of the op (schema
-check, store, lease, reply). Each round runs every contender ``--samples``
+check, store, lease, reply) and the client's request and answer, ``connector
+lookup - node lookup`` the connector's (lease budget, masks, lease state,
+held-blocks memory), and the last step the load's plan and checked copy. Each round runs every contender ``--samples``
 times, rotating who goes first; the first round is warm-up.
 
 ``--pause`` times each sample after a pause instead of back to back, as a
@@ -25,6 +31,7 @@ processes idle), ``memcpy`` (a 16 MiB copy on this thread first) or ``spin``
 round trip pays for caches and CPUs gone cold while it waited.
 
 Usage: probe_control_floor.py [--hashes 1] [--samples 2000] [--rounds 4] [--pause none|sleep|memcpy|spin]
+                              [--block-size 4KiB]
 """
 from __future__ import annotations
 
@@ -150,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--pause", choices=("none", "sleep", "memcpy", "spin"), default="none",
                         help="before each sample: nothing (back to back), 3 ms asleep, a 16 MiB memcpy, 3 ms busy")
+    parser.add_argument("--block-size", default="4KiB", help="the blocks' size (the bench's one-block load: 64KiB)")
     parser.add_argument("--serve", nargs=2, metavar=("KIND", "NAME"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
@@ -160,26 +168,39 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from bench_common import chained_hashes, direct_client, interleaved_rounds, latency_summary_us, store_through
+    from bench_common import (chained_hashes, direct_client, interleaved_rounds, latency_summary_us, store_through,
+                              wait_done)
     from cluster.process import start_node, stop_process
     from connector.dkv_connector import DKVConnector
     from connector.types import full_attention
     from dkv.direct_channel import DirectChannel
     from dkv.loop_thread import acquire_shared_loop, release_shared_loop
+    from dkv.units import parse_size
+
+    block_bytes = parse_size(args.block_size)
 
     servers = [_server("blocking"), _server("uvloop")]
     node = start_node("--log-level", "WARNING", pool="64MiB", exit_with_parent=True)
     loop = acquire_shared_loop()
     writer: DKVConnector | None = None
+    reader: DKVConnector | None = None
     client: Any = None
     channels: list[DirectChannel] = []
     try:
         hashes = chained_hashes(args.hashes)
-        rows = torch.ones(args.hashes + 1, 4096, dtype=torch.uint8)
+        rows = torch.ones(args.hashes + 1, block_bytes, dtype=torch.uint8)
         writer = DKVConnector({"a": full_attention(0)}, [{"a": [rows]}], namespace="probe",
                               node=str(node.address), timeout=TIMEOUT)
         store_through(writer, "a", hashes, TIMEOUT)
         client = direct_client(loop, str(node.address), "probe", TIMEOUT)
+        reader = DKVConnector({"a": full_attention(0)}, [{"a": [torch.zeros_like(rows)]}], namespace="probe",
+                              node=str(node.address), timeout=TIMEOUT)
+        deadline = time.monotonic() + TIMEOUT  # its direct channel opens in the background, on its first lookup
+        while reader.counters.lookups_in_place == 0:
+            if time.monotonic() > deadline:
+                raise SystemExit("the connector's direct channel never opened")
+            reader.lookup(hashes)
+            time.sleep(0.01)
 
         raw_sock = _connect(servers[0][1])
         request, buffer = _framed(REQUEST), bytearray(1 << 16)
@@ -196,11 +217,24 @@ def main(argv: list[str] | None = None) -> int:
             if not all(client.lookup_direct(hashes, ["a"], group=1).masks["a"]):
                 raise SystemExit("the node's lookup missed")
 
+        def connector_lookup() -> None:
+            assert reader is not None
+            if not all(reader.lookup(hashes)["a"]):
+                raise SystemExit("the connector's lookup missed")
+
+        def one_block_load() -> None:
+            assert reader is not None
+            if not reader.lookup(hashes[:1])["a"][0]:
+                raise SystemExit("the one-block lookup missed")
+            wait_done(reader.load({"a": [1]}, {"a": hashes[:1]}), "the one-block load", TIMEOUT)
+
         contenders: dict[str, Callable[[], object]] = {
             "socket": socket_round_trip,
             "direct": lambda: to_blocking.exchange(REQUEST, TIMEOUT),
             "direct+uvloop": lambda: to_uvloop.exchange(REQUEST, TIMEOUT),
             "node lookup": node_lookup,
+            "connector lookup": connector_lookup,
+            "one-block load": one_block_load,
         }
         pause = pause_before_each(args.pause)
 
@@ -216,13 +250,14 @@ def main(argv: list[str] | None = None) -> int:
             return batch
 
         samples = interleaved_rounds({name: timed(call) for name, call in contenders.items()}, args.rounds)
-        print(f"same-host control round trips, {args.rounds - 1} rounds x {args.samples}; node lookup of "
-              f"{args.hashes} hash(es); each after a pause: {args.pause}; load average {os.getloadavg()[0]:.2f}")
+        print(f"same-host control round trips, {args.rounds - 1} rounds x {args.samples}; lookups of "
+              f"{args.hashes} hash(es), one-block load of {args.block_size}; each after a pause: {args.pause}; "
+              f"load average {os.getloadavg()[0]:.2f}")
         summaries = {name: latency_summary_us(values) for name, values in samples.items()}
         previous = None
         for name, summary in summaries.items():
             added = f"   (+{summary['p50_us'] - previous:.1f} µs)" if previous is not None else ""
-            print(f"  {name:14s} p50 {summary['p50_us']:8.1f} µs   p99 {summary['p99_us']:8.1f} µs{added}")
+            print(f"  {name:17s} p50 {summary['p50_us']:8.1f} µs   p99 {summary['p99_us']:8.1f} µs{added}")
             previous = summary["p50_us"]
         raw_sock.close()
     finally:
@@ -230,8 +265,9 @@ def main(argv: list[str] | None = None) -> int:
             channel.abort()
         if client is not None:
             loop.run(client.close(), TIMEOUT)
-        if writer is not None:
-            writer.shutdown()
+        for conn in (reader, writer):
+            if conn is not None:
+                conn.shutdown()
         release_shared_loop()
         node.stop()
         for proc, _ in servers:
