@@ -6,9 +6,10 @@
  *   (dkv.store.Block, a slots dataclass: each field is a member descriptor of type T_OBJECT_EX).
  *   Must be called once before pin_run / unpin_all; only instances of exactly that type are accepted.
  *
- * pin_run(blocks, namespace, leaf, hashes, start, mask, held, depths, tally, offsets, sizes, sums) -> int
+ * pin_run(column, hashes, start, mask, held, depths, tally, offsets, sizes, sums) -> int
  *
- *   For i = start, start + 1, ...: the block ``blocks.get((namespace, leaf, 0, hashes[i]))``.
+ *   For i = start, start + 1, ...: the block ``column.get(hashes[i])``, where ``column`` is a dict
+ *   {hash: block} of one namespace, leaf and shard (dkv.store.Store.columns).
  *     absent           mask gets False, the slot map (-1, 0, 16 zero bytes);
  *     off the host     (its offset < 0) the run stops and returns i, nothing done for it: the caller
  *                      brings it back (or reports it absent) and runs again from i + 1;
@@ -157,16 +158,16 @@ static int add_to_tally(PyObject *tally, Py_ssize_t newly) {
 }
 
 static PyObject *pin_run(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 12) {
-        PyErr_SetString(PyExc_TypeError, "pin_run() takes 12 arguments");
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "pin_run() takes 10 arguments");
         return NULL;
     }
-    PyObject *blocks = args[0], *namespace = args[1], *leaf = args[2], *hashes_obj = args[3];
-    PyObject *mask = args[5], *held = args[6], *depths = args[7], *tally = args[8];
-    PyObject *offsets = args[9], *sizes = args[10], *sums = args[11];
-    if (!PyDict_Check(blocks) || !PyList_Check(mask) || !PyList_Check(held) || !PyList_Check(depths) ||
+    PyObject *column = args[0], *hashes_obj = args[1];
+    PyObject *mask = args[3], *held = args[4], *depths = args[5], *tally = args[6];
+    PyObject *offsets = args[7], *sizes = args[8], *sums = args[9];
+    if (!PyDict_Check(column) || !PyList_Check(mask) || !PyList_Check(held) || !PyList_Check(depths) ||
         !is_tally(tally)) {
-        PyErr_SetString(PyExc_TypeError, "pin_run(dict, ns, leaf, hashes, start, list, list, list, [int], ...)");
+        PyErr_SetString(PyExc_TypeError, "pin_run(dict, hashes, start, list, list, list, [int], ...)");
         return NULL;
     }
     int with_slots = offsets != Py_None;
@@ -175,7 +176,7 @@ static PyObject *pin_run(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ss
         PyErr_SetString(PyExc_TypeError, "offsets, sizes and sums: three bytearrays, or all None");
         return NULL;
     }
-    Py_ssize_t start = PyLong_AsSsize_t(args[4]);
+    Py_ssize_t start = PyLong_AsSsize_t(args[2]);
     if (start == -1 && PyErr_Occurred()) {
         return NULL;
     }
@@ -185,7 +186,7 @@ static PyObject *pin_run(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ss
     }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
     PyObject **items = PySequence_Fast_ITEMS(hashes);
-    PyObject *key = NULL, *result = NULL;
+    PyObject *result = NULL;
     char *at_offsets = NULL, *at_sizes = NULL, *at_sums = NULL;
     Py_ssize_t newly = 0, i = start, reserved = 0;
     if (start < 0 || start > n) {
@@ -200,11 +201,7 @@ static PyObject *pin_run(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ss
         }
     }
     for (; i < n; i++) {
-        Py_XSETREF(key, PyTuple_Pack(4, namespace, leaf, zero, items[i])); /* a new one each: tuples may cache their hash */
-        if (key == NULL) {
-            goto done;
-        }
-        PyObject *block = PyDict_GetItemWithError(blocks, key); /* borrowed */
+        PyObject *block = PyDict_GetItemWithError(column, items[i]); /* borrowed */
         long long offset = -1, size = 0, pins = 0;
         const unsigned char *sum = no_sum;
         if (block == NULL) {
@@ -276,7 +273,6 @@ done:
     if (newly && add_to_tally(tally, newly) < 0) { /* kept true whether or not this raised */
         Py_CLEAR(result);
     }
-    Py_XDECREF(key);
     Py_DECREF(hashes);
     return result;
 }

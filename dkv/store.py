@@ -414,6 +414,10 @@ class Store:
         self._owner_reserved: dict[str, list[int]] = {}  # reservation owner -> [bytes, keys] it holds reserved
         self._off_host: dict[StoreKey, None] = {}  # every block off the host tier, oldest first
         self.blocks: dict[StoreKey, Block] = {}
+        # the same blocks by column: (namespace, leaf, shard) -> {hash: block}, kept with ``blocks`` by
+        # _index/_unindex/close (a column goes with its last block). A leased lookup's per-key run
+        # (dkv.store_runs.pin_run) looks hashes up here: no key tuple built, hashed and compared per hash.
+        self.columns: dict[tuple[str, str, int], dict[bytes, Block]] = {}
         self.leases: dict[int, Lease] = {}
         self.reservations: dict[int, Reservation] = {}
         self.reads: dict[int, Read] = {}
@@ -453,7 +457,12 @@ class Store:
 
     def _index(self, block: Block) -> None:
         """A new block (on the host tier) enters the index, charged to its credential."""
-        self.blocks[block.key] = block
+        key = block.key
+        self.blocks[key] = block
+        column = self.columns.get(key[:3])
+        if column is None:
+            column = self.columns[key[:3]] = {}
+        column[key.hash] = block
         usage = self._tenant(block.tenant)
         usage.blocks += 1
         usage.host_blocks += 1
@@ -461,7 +470,12 @@ class Store:
 
     def _unindex(self, block: Block) -> None:
         """``block`` leaves the index, whatever its tier (the caller frees its slot or its file)."""
-        del self.blocks[block.key]
+        key = block.key
+        del self.blocks[key]
+        column = self.columns[key[:3]]
+        del column[key.hash]
+        if not column:
+            del self.columns[key[:3]]
         usage = self._tenants[block.tenant]
         usage.blocks -= 1
         if block.on_host:
@@ -646,7 +660,8 @@ class Store:
                 packed = (bytearray(), bytearray(), bytearray()) if slots is not None else (None, None, None)
                 at, count = 0, len(hashes)
                 while at < count:  # runs of host-tier blocks; one off the host tier is brought back here
-                    at = pin_run(blocks, namespace, leaf, hashes, at, mask, held, depths, tally, *packed)
+                    column = self.columns.get((namespace, leaf, 0)) or {}  # (re-read: a promotion may evict)
+                    at = pin_run(column, hashes, at, mask, held, depths, tally, *packed)
                     if at == count:
                         break
                     block = blocks[(namespace, leaf, 0, hashes[at])]  # type: ignore[index]
@@ -1677,6 +1692,7 @@ class Store:
         self.reservations.clear()
         self.reserved_keys.clear()
         self.blocks.clear()
+        self.columns.clear()
         self._tenants.clear()
         self._owner_reserved.clear()
         self._off_host.clear()

@@ -6,8 +6,10 @@ on the host tier, and write the mask, the lease's blocks and depths, and the
 same-host slot map, already packed for the wire. :func:`unpin_all` gives a
 lease's pins back. Contract, for both builds:
 
-* ``pin_run(blocks, namespace, leaf, hashes, start, mask, held, depths, tally,
-  offsets, sizes, sums) -> stop`` walks ``hashes[start:]`` in order. An absent
+* ``pin_run(column, hashes, start, mask, held, depths, tally, offsets, sizes,
+  sums) -> stop`` walks ``hashes[start:]`` in order, each looked up in
+  ``column``, a dict ``{hash: block}`` of one namespace, leaf and shard (the
+  store's :attr:`dkv.store.Store.columns`; empty where none). An absent
   block: ``mask`` gets False and the slot map ``(-1, 0, 16 zero bytes)``. A
   block off the host tier (``offset < 0``): the run stops and returns its index,
   nothing done for it (the caller brings it back or reports it absent, then
@@ -55,7 +57,7 @@ from typing import Any
 
 NO_SUM = bytes(16)  # a slot map's checksum where a block has none, or none is copied the one-round-trip way
 
-PinRun = Callable[[dict, str, str, Sequence[bytes], int, list, list, list, list,
+PinRun = Callable[[dict, Sequence[bytes], int, list, list, list, list,
                    bytearray | None, bytearray | None, bytearray | None], int]
 
 
@@ -73,18 +75,18 @@ def _append_packed(packed: tuple[bytearray, bytearray, bytearray], offs: list[in
     packed[2].extend(b"".join(digests))
 
 
-def pin_run_python(blocks: dict, namespace: str, leaf: str, hashes: Sequence[bytes], start: int, mask: list[bool],
-                   held: list, depths: list[int], tally: list[int], offsets: bytearray | None,
-                   sizes: bytearray | None, sums: bytearray | None) -> int:
+def pin_run_python(column: dict, hashes: Sequence[bytes], start: int, mask: list[bool], held: list,
+                   depths: list[int], tally: list[int], offsets: bytearray | None, sizes: bytearray | None,
+                   sums: bytearray | None) -> int:
     """The Python twin of the native ``pin_run`` (see the module's contract)."""
-    get, hold, at_depth, note = blocks.get, held.append, depths.append, mask.append
+    get, hold, at_depth, note = column.get, held.append, depths.append, mask.append
     offs: list[int] = []
     lens: list[int] = []
     digests: list[bytes] = []
     newly, stop = 0, len(hashes)
     try:
         for i in range(start, len(hashes)):
-            block = get((namespace, leaf, 0, hashes[i]))
+            block = get(hashes[i])
             if block is None:
                 note(False)
                 offs.append(-1)

@@ -288,6 +288,16 @@ class StoreMachine(RuleBasedStateMachine):
             assert got == want, f"{key}: its slot holds other bytes than were committed"
 
     @invariant()
+    def the_column_index_holds_exactly_the_indexed_blocks(self) -> None:
+        by_column: dict[tuple[str, str, int], dict[bytes, object]] = {}
+        for key, block in self.store.blocks.items():
+            by_column.setdefault((key.namespace, key.leaf, key.shard), {})[key.hash] = block
+        assert self.store.columns.keys() == by_column.keys(), "a column without blocks, or blocks without one"
+        for column, blocks in by_column.items():
+            held = self.store.columns[column]
+            assert held.keys() == blocks.keys() and all(held[h] is b for h, b in blocks.items()), column
+
+    @invariant()
     def uncommitted_blocks_are_invisible(self) -> None:
         for write in self.model.writes.values():
             for key, _, _ in write.slots:

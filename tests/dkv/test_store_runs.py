@@ -48,13 +48,18 @@ def _blocks(specs: list[tuple[int, int, int, bool]]) -> dict[Any, Block]:
     return out
 
 
+def _column(blocks: dict[Any, Block]) -> dict[bytes, Block]:
+    """``blocks`` (all of ``NS``, ``LEAF``, shard 0) as the store's column index holds them: by hash."""
+    return {key.hash: block for key, block in blocks.items()}
+
+
 def _run(run: Any, blocks: dict, hashes: list[bytes], start: int, slots: bool) -> dict[str, Any]:
     mask: list[bool] = []
     held: list[Block] = []
     depths: list[int] = []
     tally = [5]  # a count the caller already had: the run adds to it
     packed = (bytearray(b"o"), bytearray(b"s"), bytearray(b"c")) if slots else (None, None, None)
-    stop = run(blocks, NS, LEAF, hashes, start, mask, held, depths, tally, *packed)
+    stop = run(_column(blocks), hashes, start, mask, held, depths, tally, *packed)
     order = list(blocks.values())
     return {
         "stop": stop, "mask": mask, "held": [order.index(b) for b in held], "depths": depths, "tally": tally,
@@ -182,7 +187,7 @@ def test_a_bad_entry_midway_raises_with_every_pin_taken_so_far_held_and_counted(
     depths: list[int] = []
     tally = [0]
     with pytest.raises(TypeError):
-        store_runs.pin_run(blocks, NS, LEAF, [_hash(0), _hash(1), _hash(2)], 0, mask, held, depths, tally,
+        store_runs.pin_run(_column(blocks), [_hash(0), _hash(1), _hash(2)], 0, mask, held, depths, tally,
                            bytearray(), bytearray(), bytearray())
     first, second = list(blocks.values())[:2]
     assert held == [first, second] and depths == [0, 1] and (first.pins, second.pins) == (1, 3)
@@ -192,11 +197,12 @@ def test_a_bad_entry_midway_raises_with_every_pin_taken_so_far_held_and_counted(
 
 @native
 @pytest.mark.parametrize("args", [
-    ("not a dict", NS, LEAF, [], 0, [], [], [], [0], None, None, None),
-    ({}, NS, LEAF, [], 0, [], [], [], [], None, None, None),  # no tally
-    ({}, NS, LEAF, [], 0, [], [], [], [0], bytearray(), None, None),  # one buffer of three
-    ({}, NS, LEAF, [], 1, [], [], [], [0], None, None, None),  # start past the end
-    ({}, NS, LEAF, 7, 0, [], [], [], [0], None, None, None),  # hashes not a sequence
+    ("not a dict", [], 0, [], [], [], [0], None, None, None),
+    ({}, [], 0, [], [], [], [], None, None, None),  # no tally
+    ({}, [], 0, [], [], [], [0], bytearray(), None, None),  # one buffer of three
+    ({}, [], 1, [], [], [], [0], None, None, None),  # start past the end
+    ({}, 7, 0, [], [], [], [0], None, None, None),  # hashes not a sequence
+    ({}, [], 0, [], [], [], [0], None, None),  # an argument short
 ])
 def test_malformed_arguments_are_refused_before_anything_is_pinned(args: tuple) -> None:
     with pytest.raises((TypeError, ValueError)):
@@ -211,7 +217,7 @@ def test_a_slot_buffer_that_cannot_grow_is_an_error_before_anything_is_pinned() 
     held: list[Block] = []
     tally = [0]
     with pytest.raises(BufferError):
-        store_runs.pin_run(blocks, NS, LEAF, [_hash(0)], 0, [], held, [], tally, offsets, bytearray(), bytearray())
+        store_runs.pin_run(_column(blocks), [_hash(0)], 0, [], held, [], tally, offsets, bytearray(), bytearray())
     view.release()
     assert held == [] and tally == [0] and next(iter(blocks.values())).pins == 0
 
@@ -273,6 +279,10 @@ def test_a_store_lookup_answers_alike_on_either_twin(monkeypatch: pytest.MonkeyP
                             sorted((b.key.hash, b.key.shard, b.pins) for b in store.blocks.values())))
             store.end_lease(store._group_lease[("c", 0)])
             out.append((store.pinned_blocks, store.counters.disk_hits))
+            by_column: dict = {}  # spills, promotions and evictions kept the column index whole
+            for key, block in store.blocks.items():
+                by_column.setdefault(key[:3], {})[key.hash] = block
+            assert store.columns == by_column
             return out
         finally:
             arena.close()
