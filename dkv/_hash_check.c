@@ -15,6 +15,21 @@
  *   ``ids``: the caller then checks them the general way, which says what is wrong.
  *   connector.transfer_plan.plain_block_ids_python is its Python twin; the tests hold the two to the same
  *   answers.
+ *
+ * pack_hashes(values) -> bytes | None
+ *
+ *   The hashes of ``values`` back to back, when it is a non-empty list or tuple of exactly ``bytes``, all
+ *   8 or all 32 long: a lookup's, probe's or touch's hashes as they travel packed (dkv.wire); None for
+ *   anything else (mixed lengths among them), never an exception for any ``values``.
+ *
+ * split_hashes(packed, size) -> list[bytes]
+ *
+ *   ``packed`` (bytes) cut into hashes of ``size`` (8 or 32) bytes each, as the node reads a packed list.
+ *   ValueError when ``size`` is neither or ``len(packed)`` is not a multiple of it; TypeError for a packed
+ *   that is not exactly bytes.
+ *
+ * dkv.keys.pack_hashes_python and split_hashes_python are their Python twins; the tests hold each pair to
+ * the same answers.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -129,7 +144,80 @@ static PyObject *plain_block_ids(PyObject *Py_UNUSED(self), PyObject *const *arg
     return copy;
 }
 
+static PyObject *pack_hashes(PyObject *Py_UNUSED(self), PyObject *values) {
+    if (!PyList_CheckExact(values) && !PyTuple_CheckExact(values)) {
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(values);
+    PyObject **items = PySequence_Fast_ITEMS(values);
+    if (n == 0 || !PyBytes_CheckExact(items[0])) {
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t size = PyBytes_GET_SIZE(items[0]);
+    if (size != 8 && size != 32) {
+        Py_RETURN_NONE;
+    }
+    for (Py_ssize_t i = 1; i < n; i++) {
+        if (!PyBytes_CheckExact(items[i]) || PyBytes_GET_SIZE(items[i]) != size) {
+            Py_RETURN_NONE;
+        }
+    }
+    if (n > PY_SSIZE_T_MAX / size) {
+        Py_RETURN_NONE;
+    }
+    PyObject *packed = PyBytes_FromStringAndSize(NULL, n * size);
+    if (packed == NULL) {
+        return NULL;
+    }
+    char *at = PyBytes_AS_STRING(packed);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        memcpy(at + i * size, PyBytes_AS_STRING(items[i]), (size_t)size);
+    }
+    return packed;
+}
+
+static PyObject *split_hashes(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "split_hashes(packed, size)");
+        return NULL;
+    }
+    PyObject *packed = args[0];
+    if (!PyBytes_CheckExact(packed)) {
+        PyErr_SetString(PyExc_TypeError, "split_hashes: packed hashes must be bytes");
+        return NULL;
+    }
+    Py_ssize_t size = PyLong_Check(args[1]) ? PyLong_AsSsize_t(args[1]) : -1;
+    if (size == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_ssize_t total = PyBytes_GET_SIZE(packed);
+    if ((size != 8 && size != 32) || total % size != 0) {
+        PyErr_Format(PyExc_ValueError, "packed hashes: %zd bytes do not cut into hashes of 8 or 32 bytes (size %zd)",
+                     total, size);
+        return NULL;
+    }
+    Py_ssize_t n = total / size;
+    PyObject *out = PyList_New(n);
+    if (out == NULL) {
+        return NULL;
+    }
+    const char *at = PyBytes_AS_STRING(packed);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *hash = PyBytes_FromStringAndSize(at + i * size, size);
+        if (hash == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, hash);
+    }
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"pack_hashes", pack_hashes, METH_O,
+     "pack_hashes(values): the hashes back to back when all are plain bytes of one length, 8 or 32; else None."},
+    {"split_hashes", (PyCFunction)(void (*)(void))split_hashes, METH_FASTCALL,
+     "split_hashes(packed, size): packed hashes cut into a list of bytes of size 8 or 32 each."},
     {"plain_hashes", plain_hashes, METH_O, "True when a list or tuple holds only bytes of 8 or 32 bytes each."},
     {"plain_block_ids", (PyCFunction)(void (*)(void))plain_block_ids, METH_FASTCALL,
      "plain_block_ids(ids, pages): a new list of ids when they are plain ints in 1..pages-1, no two alike; else None."},

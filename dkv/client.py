@@ -74,6 +74,7 @@ from dkv.transport import (INLINE_MAX, TRAILING_MAX, Connection, connect, hold_t
                            release_transport)
 from dkv.units import parse_address
 from dkv.wire import (
+    FEATURE_PACKED_HASHES,
     FEATURE_READ_RUNS,
     HEADER_SIZE,
     MAX_FRAME,
@@ -81,8 +82,10 @@ from dkv.wire import (
     MAX_ENDS,
     MAX_LEAVES,
     NONCE_SIZE,
+    PACKED_HASH_OPS,
     PROTOCOL_VERSION,
     client_proof,
+    packed_hashes,
     encode_body,
     node_proof,
     proof_equals,
@@ -216,10 +219,24 @@ class _Session:
         return _check_reply(reply), trailing
 
     async def _send(self, message: dict[str, Any], timeout: float) -> None:
+        message = on_the_wire(message, self.info)
         ends = self._take_ends() if self._take_ends is not None else None
         if ends:
             message = {**message, "ends": ends}
         await self.conn.send_message(message, timeout)
+
+
+def on_the_wire(message: dict[str, Any], info: NodeInfo) -> dict[str, Any]:
+    """``message`` as it is sent to the node ``info`` describes: a lookup's, probe's or touch's hashes packed where
+    that node takes them so (:data:`dkv.wire.FEATURE_PACKED_HASHES`); else ``message`` itself.
+
+    The caller keeps ``message`` (its ``hashes`` a list) to judge the answer by.
+    """
+    if message.get("op") in PACKED_HASH_OPS and FEATURE_PACKED_HASHES in info.features:
+        packed = packed_hashes(message["hashes"])
+        if packed is not None:
+            return {**message, **packed}
+    return message
 
 
 @dataclass(frozen=True)
@@ -229,6 +246,7 @@ class _DirectLookup:
     direct: _Session
     channel: DirectChannel
     message: dict[str, Any]
+    wire: dict[str, Any]  # the message as sent (its hashes packed where the node takes them so)
     mapping: SegmentMapping | None
     ends: list[int]
     sent_at: float
@@ -1100,7 +1118,7 @@ class NodeClient:
         """
         asked = self._direct_lookup(hashes, leaves, shards, group, send)
         try:
-            reply, payload = asked.channel.exchange_with(asked.message, self.timeout, asked.message.get("send", 0))
+            reply, payload = asked.channel.exchange_with(asked.wire, self.timeout, asked.message.get("send", 0))
         except BaseException as exc:
             self._direct_failed(asked, exc)
             raise
@@ -1120,7 +1138,7 @@ class NodeClient:
         """
         asked = self._direct_lookup(hashes, leaves, shards, group, send)
         try:
-            pending = asked.channel.begin(asked.message, self.timeout, asked.message.get("send", 0))
+            pending = asked.channel.begin(asked.wire, self.timeout, asked.message.get("send", 0))
         except BaseException as exc:
             self._direct_failed(asked, exc)
             raise
@@ -1143,7 +1161,8 @@ class NodeClient:
         ends = self._take_ends()
         if ends:
             message["ends"] = ends
-        return _DirectLookup(direct, channel, message, mapping, ends, time.monotonic())
+        return _DirectLookup(direct, channel, message, on_the_wire(message, direct.info), mapping, ends,
+                             time.monotonic())
 
     def _free_direct(self) -> tuple[_Session, DirectChannel]:
         """A direct channel not in use: :class:`~dkv.direct_channel.ChannelClosed` where none is open,

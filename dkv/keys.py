@@ -56,10 +56,31 @@ def plain_hashes_python(values: object) -> bool:
     return type(values) in (list, tuple) and all(type(h) is bytes and len(h) in HASH_LENGTHS for h in values)
 
 
+def pack_hashes_python(values: object) -> bytes | None:
+    """``values``'s hashes back to back when all are exactly ``bytes`` of one length, 8 or 32 (the native twin)."""
+    if type(values) not in (list, tuple) or not values:
+        return None
+    lengths = set(map(len, values)) if all(type(h) is bytes for h in values) else None  # type: ignore[attr-defined]
+    if lengths is None or len(lengths) != 1 or next(iter(lengths)) not in HASH_LENGTHS:
+        return None
+    return b"".join(values)  # type: ignore[arg-type]
+
+
+def split_hashes_python(packed: bytes, size: int) -> list[bytes]:
+    """``packed`` cut into hashes of ``size`` (8 or 32) bytes each (the native twin; ``ValueError`` otherwise)."""
+    if type(packed) is not bytes:
+        raise TypeError("split_hashes: packed hashes must be bytes")
+    if size not in HASH_LENGTHS or len(packed) % size:
+        raise ValueError(f"packed hashes: {len(packed)} bytes do not cut into hashes of 8 or 32 bytes (size {size})")
+    return [packed[i:i + size] for i in range(0, len(packed), size)]
+
+
 try:  # one C pass; every lookup, probe, touch, read and write checks its hashes on both sides
-    from dkv._hash_check import plain_hashes
-except ImportError:  # not built (no C compiler at install): the same answer in Python
+    from dkv._hash_check import pack_hashes, plain_hashes, split_hashes
+except ImportError:  # not built (no C compiler at install): the same answers in Python
     plain_hashes = plain_hashes_python
+    pack_hashes = pack_hashes_python
+    split_hashes = split_hashes_python
 
 
 def check_hashes(block_hashes: Iterable[object]) -> list[bytes]:

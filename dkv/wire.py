@@ -131,6 +131,18 @@ reply to ``write``) says ``{"committed": n, "rejected": m}``. Every ``read``
 reply (both paths) carries ``"sums"``: per block its checksum, or ``None``
 for a block stored without one; the client checks the bytes it received.
 
+Packed hashes: where the node lists ``"packed_hashes"`` in its ``features``,
+a ``lookup``, ``probe`` or ``touch`` may carry its hashes as one byte string,
+``"hashes": <bytes>``, all of one length given by ``"hash_size"`` (8 or 32),
+back to back, instead of a list: for 256 hashes one msgpack item each way
+instead of 256 (the client's encoding ~10 → ~2 µs, the node's decoding and
+check ~15 → ~8 µs). The node cuts them into the list before it checks the
+request against its schema (:func:`check_request`), so everything after
+sees the same request either way; a packed string whose length is not a
+multiple of ``hash_size``, a missing or other ``hash_size``, or more than
+``MAX_KEYS`` hashes is malformed (:class:`ProtocolError`). Hashes of mixed
+lengths travel as a list.
+
 Optional fields: a schema may mark a field :func:`optional`; it may then be
 absent, and is validated like any other field when present. Every other
 field is required.
@@ -149,7 +161,7 @@ import msgpack
 
 from dkv.checksum import CHECKSUM_SIZE
 from dkv.errors import FrameTooLarge, ProtocolError
-from dkv.keys import MAX_LEAF_ID_LENGTH, MAX_TP_SHARDS, check_namespace, plain_hashes
+from dkv.keys import HASH_LENGTHS, MAX_LEAF_ID_LENGTH, MAX_TP_SHARDS, check_namespace, pack_hashes, plain_hashes, split_hashes
 
 PROTOCOL_VERSION = 4  # 3: bodies inline with their header (FLAG_INLINE), batched payload messages;
 # 4: a listener read's or write's payload messages as the node cut them ("groups")
@@ -355,7 +367,25 @@ def _sums(v: object) -> bool:
 # What a node of this build serves beyond the base protocol, listed in its handshake reply ("features"):
 # a client uses one only where its node lists it (a fleet mid-upgrade mixes builds)
 FEATURE_READ_RUNS = "read_runs"  # a read may name its blocks by "runs" (see the module docstring)
-FEATURES = (FEATURE_READ_RUNS,)
+FEATURE_PACKED_HASHES = "packed_hashes"  # a lookup's, probe's or touch's hashes may travel packed (ditto)
+FEATURES = (FEATURE_READ_RUNS, FEATURE_PACKED_HASHES)
+PACKED_HASH_OPS = frozenset({"lookup", "probe", "touch"})
+
+
+def packed_hashes(hashes: list[bytes]) -> dict[str, Any] | None:
+    """The fields that carry ``hashes`` packed (``hashes`` as one bytes, ``hash_size``); ``None`` where they cannot
+    travel so (none, or of mixed lengths): the list is sent as it is."""
+    packed = pack_hashes(hashes)
+    return None if packed is None else {"hashes": packed, "hash_size": len(hashes[0])}
+
+
+def _unpack_hashes(op: str, message: dict[str, Any]) -> None:
+    """A packed ``hashes`` (see the module docstring) made the list the op's schema and handler read, in place."""
+    packed, size = message["hashes"], message.pop("hash_size", None)
+    if type(size) is not int or size not in HASH_LENGTHS or len(packed) % size or len(packed) > MAX_KEYS * size:
+        raise ProtocolError(f"{op}: packed hashes of {len(packed)} bytes with hash_size {size!r} are malformed "
+                            "or out of bounds")
+    message["hashes"] = split_hashes(packed, size)
 
 MAX_ENDS = 1024  # leases one request may end besides its own work (see "ends")
 
@@ -426,6 +456,8 @@ def check_request(message: dict[str, Any]) -> str:
         raise ProtocolError(f"unknown op {op!r}")
     if "ends" in message and op != "hello" and not _lease_ids(message["ends"]):
         raise ProtocolError(f"{op}: field 'ends' is malformed or out of bounds")
+    if op in PACKED_HASH_OPS and type(message.get("hashes")) is bytes:
+        _unpack_hashes(op, message)
     for name, valid in schema.items():
         if name not in message:
             if isinstance(valid, _Optional):

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from dkv.errors import ConfigError
 from dkv import keys as dkv_keys
 from dkv.keys import (
-    HASH_LENGTHS, BlockKey, block_keys, check_hash, check_hashes, check_namespace, derive_namespace, plain_hashes_python,
+    HASH_LENGTHS, BlockKey, block_keys, check_hash, check_hashes, check_namespace, derive_namespace, pack_hashes_python,
+    plain_hashes_python, split_hashes_python,
 )
 from dkv.units import format_size, parse_address, parse_size
 
@@ -41,6 +44,37 @@ def test_the_hash_list_check_takes_only_plain_bytes_of_a_valid_length(twin: str)
         assert check([bytes(8), item]) is False and check((item,)) is False
     for values in (b"x" * 32, "x" * 8, {b"x" * 8: 1}, iter([b"x" * 8]), None, 8, [bytes(8)] * 3 + [bytes(31)]):
         assert check(values) is False
+
+
+def test_the_native_packing_is_built() -> None:
+    assert dkv_keys.pack_hashes is not pack_hashes_python and dkv_keys.split_hashes is not split_hashes_python
+
+
+@pytest.mark.parametrize("twin", ["native", "python"])
+def test_hashes_pack_only_when_all_are_plain_bytes_of_one_valid_length_and_split_back(twin: str) -> None:
+    pack = dkv_keys.pack_hashes if twin == "native" else pack_hashes_python
+    split = dkv_keys.split_hashes if twin == "native" else split_hashes_python
+    for size in HASH_LENGTHS:
+        for count in (1, 2, 255, 256, 257):
+            hashes = [os.urandom(size) for _ in range(count)]
+            for kind in (list, tuple):
+                packed = pack(kind(hashes))
+                assert packed == b"".join(hashes) and type(packed) is bytes
+            got = split(packed, size)
+            assert got == hashes and type(got) is list and all(type(h) is bytes for h in got)
+    assert split(b"", 32) == [] and split(b"", 8) == []
+    for values in ([], (), [bytes(8), bytes(32)], [bytes(32), bytes(8)], [bytes(31)], [bytes(16)] * 2,
+                   b"x" * 32, "x" * 8, None, iter([bytes(8)]), {bytes(8): 1}):
+        assert pack(values) is None, values
+    for item in _FOREIGN:
+        assert pack([bytes(8), item]) is None and pack([item]) is None
+    for packed, size in ((b"x" * 33, 32), (b"x" * 9, 8), (b"x" * 32, 16), (b"x" * 32, 0), (b"x" * 32, -8),
+                         (b"x" * 32, True)):
+        with pytest.raises(ValueError):
+            split(packed, size)
+    for packed in (bytearray(32), memoryview(bytes(32)), _Bytes(32), "x" * 32):
+        with pytest.raises(TypeError):
+            split(packed, 32)
 
 
 def test_check_hashes_copies_a_valid_run_and_names_the_first_bad_one() -> None:

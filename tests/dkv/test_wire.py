@@ -85,6 +85,19 @@ def test_a_lookup_asking_for_its_bytes_with_a_bad_bound_is_refused(send: object)
                        "group": 0, "send": send})
 
 
+def test_packed_hashes_become_the_list_before_the_schema_checks_them() -> None:
+    hashes = [bytes([i]) * 32 for i in range(5)]
+    for op, extra in (("lookup", {"lease": True, "group": 0}), ("probe", {}), ("touch", {})):
+        msg = decode_body(encode_body({"op": op, "hashes": b"".join(hashes), "hash_size": 32, "leaves": ["L"],
+                                       "shards": 1, **extra}))
+        assert check_request(msg) == op
+        assert msg["hashes"] == hashes and "hash_size" not in msg  # the handler sees the list, as if sent so
+    other = {"op": "write", "keys": [], "sizes": [], "shm": False, "hashes": b"x" * 32, "hash_size": 32}
+    assert check_request(other) == "write" and other["hashes"] == b"x" * 32  # other ops: no packing is read
+    with pytest.raises(ProtocolError, match="packed hashes"):
+        check_request({"op": "probe", "hashes": b"x" * 40, "hash_size": 32, "leaves": ["L"], "shards": 1})
+
+
 def test_a_read_names_its_blocks_by_keys_or_by_runs_of_places() -> None:
     base = {"op": "read", "lease": 1, "end": True, "shm": False}
     assert check_request({**base, "keys": [["L", 0, b"x" * 8]]}) == "read"
