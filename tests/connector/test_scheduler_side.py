@@ -7,9 +7,12 @@ makes is checked here with plain objects, a fake directory and a fake clock.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from connector.held_blocks import HeldBlocks
 from connector.scheduler_side import (
@@ -224,6 +227,24 @@ def test_a_lease_state_knows_what_it_reported_per_leaf() -> None:
     st = s.granted(LOCAL, None, hashes, None, False, {"full": [True, True, False, True], "swa": [False] * 4},
                    3, 10.0, 0)
     assert st.reported == {"full": frozenset({hashes[0], hashes[1], hashes[3]}), "swa": frozenset()}
+
+
+@settings(max_examples=400, deadline=None)
+@given(data=st.data())
+def test_a_lease_state_covers_a_run_exactly_when_the_lookup_reported_each_of_its_hashes(data: Any) -> None:
+    pool = chain(6)
+    hashes = data.draw(st.lists(st.sampled_from(pool), max_size=10))  # repeats possible, some never asked
+    masks = {"full": data.draw(st.lists(st.booleans(), min_size=len(hashes), max_size=len(hashes)))}
+    state = LeaseState(LOCAL, 1, masks, hashes, None, 10.0, False)
+    runs = [data.draw(st.lists(st.sampled_from(pool), max_size=6))]
+    if hashes:  # a slice of the lookup's own list, the usual shape of a load
+        at = data.draw(st.integers(0, len(hashes) - 1))
+        runs.append(hashes[at:data.draw(st.integers(at, len(hashes)))])
+    for run in runs:
+        want = all(h in {x for x, m in zip(hashes, masks["full"]) if m} for h in run)
+        assert state.covers("full", run) is want, (hashes, masks, run)
+        assert state.covers("full", tuple(run)) is want
+        assert state.covers("swa", run) is (not run)  # a leaf the lookup did not ask of: nothing reported
 
 
 def test_a_co_located_lookup_teaches_what_the_node_holds_and_a_peer_lookup_does_not() -> None:
