@@ -136,7 +136,7 @@ a ``lookup``, ``probe`` or ``touch`` may carry its hashes as one byte string,
 ``"hashes": <bytes>``, all of one length given by ``"hash_size"`` (8 or 32),
 back to back, instead of a list: for 256 hashes one msgpack item each way
 instead of 256 (the client's encoding ~10 → ~2 µs, the node's decoding and
-check ~15 → ~8 µs). The node cuts them into the list before it checks the
+check ~15 → ~9 µs). The node cuts them into the list before it checks the
 request against its schema (:func:`check_request`), so everything after
 sees the same request either way; a packed string whose length is not a
 multiple of ``hash_size``, a missing or other ``hash_size``, or more than
@@ -449,7 +449,11 @@ SCHEMAS: dict[str, dict[str, Callable[[object], bool]]] = {
 
 
 def check_request(message: dict[str, Any]) -> str:
-    """Validate a request against its op's schema; returns the op. :class:`ProtocolError` otherwise."""
+    """Validate a request against its op's schema; returns the op. :class:`ProtocolError` otherwise.
+
+    A lookup's, probe's or touch's packed ``hashes`` are first cut into the list, in ``message`` itself
+    (``hash_size`` removed), so the schema and the handler see the request as if the list had been sent.
+    """
     op = message.get("op")
     schema = SCHEMAS.get(op) if isinstance(op, str) else None
     if schema is None:
