@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from dkv.etcd import EtcdSettings
 
 READY_TIMEOUT = 30.0
+FIXED_PORT_PAUSE = 1.0  # seconds between attempts to restart etcd on ports another process holds
 
 
 class EtcdNotFound(RuntimeError):
@@ -240,6 +241,16 @@ def etcd_tls_args(certificates: EtcdCertificates | None, client_cert_auth: bool 
             "--trusted-ca-file", str(certificates.ca), *(["--client-cert-auth"] if client_cert_auth else [])]
 
 
+def _log_since(log_path: Path, offset: int) -> str:
+    """What etcd's log got past ``offset`` (one attempt's lines)."""
+    try:
+        with open(log_path, "rb") as log:
+            log.seek(offset)
+            return log.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def start_etcd(
     *,
     data_dir: Path | None = None,
@@ -256,9 +267,12 @@ def start_etcd(
     Ports not given are picked free, and picked again (up to five times) when
     etcd does not come up on them: another process may take a picked port
     before etcd binds it. etcd counts as up only once its own process holds
-    both listening sockets (:func:`cluster.process.listening_on`). If it never
-    does, ``RuntimeError`` carries the end of its log, and the data directory
-    and log this call made are removed.
+    both listening sockets (:func:`cluster.process.listening_on`). Given
+    ports (a restart on its old ones) are tried again, :data:`FIXED_PORT_PAUSE`
+    apart and up to five times, while etcd finds one in use: another process's
+    outgoing connection may hold it for a moment. If it never comes up,
+    ``RuntimeError`` carries the end of its log, and the data directory and
+    log this call made are removed.
 
     With ``certificates`` the client port serves TLS only (``https://``), and with
     ``client_cert_auth`` etcd refuses a client without a certificate its CA signed.
@@ -268,6 +282,7 @@ def start_etcd(
     data_dir = Path(data_dir or tempfile.mkdtemp(prefix="dkv-etcd-", dir="/dev/shm"))
     log_path = Path(log_path or data_dir.with_suffix(".log"))
     for attempt in range(5):
+        offset = log_path.stat().st_size if log_path.exists() else 0
         cport = client_port or free_port(host)
         pport = peer_port or free_port(host)
         scheme = "https" if certificates else "http"
@@ -288,8 +303,10 @@ def start_etcd(
                 return etcd
             time.sleep(0.05)
         etcd.stop(keep_data=True)
-        if client_port is not None:
-            break  # fixed ports: nothing to retry with
+        if client_port is not None:  # fixed ports (a restart): retried only while another process holds one
+            if "address already in use" not in _log_since(log_path, offset):
+                break
+            time.sleep(FIXED_PORT_PAUSE)  # (an outgoing connection's port, or another test's pick: it goes)
     tail = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
     if made_dir:
         shutil.rmtree(data_dir, ignore_errors=True)

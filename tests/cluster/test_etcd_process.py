@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -34,12 +36,52 @@ def test_fixed_ports_that_are_taken_are_an_error_that_shows_etcd_s_log_and_leave
         return str(made)
 
     monkeypatch.setattr(etcd_process.tempfile, "mkdtemp", mkdtemp)
+    monkeypatch.setattr(etcd_process, "FIXED_PORT_PAUSE", 0.05)
     held = socket.socket()
     held.bind(("127.0.0.1", 0))
     held.listen(1)
     try:
-        with pytest.raises(RuntimeError, match=r"(?s)did not start after 1 attempt.*address already in use"):
+        with pytest.raises(RuntimeError, match=r"(?s)did not start after 5 attempt.*address already in use"):
             etcd_process.start_etcd(client_port=held.getsockname()[1])
     finally:
         held.close()
     assert not made.exists() and not made.with_suffix(".log").exists(), "a start that failed leaves no etcd files"
+
+
+def test_fixed_ports_held_for_a_while_by_another_process_are_waited_for(tmp_path: Path, monkeypatch) -> None:
+    """A restart on its old ports, one of them briefly someone else's (an outgoing connection's): it comes up there."""
+    made = tmp_path / "dkv-etcd-made"
+
+    def mkdtemp(**_kwargs: object) -> str:
+        made.mkdir()
+        return str(made)
+
+    monkeypatch.setattr(etcd_process.tempfile, "mkdtemp", mkdtemp)
+    monkeypatch.setattr(etcd_process, "FIXED_PORT_PAUSE", 0.2)
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen(1)
+    port = held.getsockname()[1]
+
+    def let_go_once_refused() -> None:  # the first attempt found the port taken: the holder lets go
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            log = made.with_suffix(".log")
+            if log.exists() and "address already in use" in log.read_text(errors="replace"):
+                break
+            time.sleep(0.01)
+        held.close()
+
+    releaser = threading.Thread(target=let_go_once_refused, daemon=True)
+    releaser.start()
+    etcd = None
+    try:
+        etcd = etcd_process.start_etcd(client_port=port)
+        assert etcd.client_port == port and listening_on(etcd.proc.pid, (port, etcd.peer_port))
+        assert "address already in use" in etcd.log_path.read_text(), "the first attempt found the port taken"
+    finally:
+        releaser.join(30)
+        held.close()
+        if etcd is not None:
+            etcd.stop()
+    assert etcd is not None and not pid_alive(etcd.proc.pid)
