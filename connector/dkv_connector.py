@@ -105,6 +105,7 @@ from dkv.errors import DKVError, OpTimeout
 from dkv.etcd import DEFAULT_CLUSTER, DEFAULT_PREFIX, EtcdSettings, Layout
 from dkv.gil import DEFAULT_SWITCH_INTERVAL, check_switch_interval, hold_switch_interval, release_switch_interval
 from dkv.keys import check_hashes, check_namespace
+from dkv.light_future import resolved
 from dkv.loop_thread import acquire_shared_loop, release_shared_loop
 from dkv.polling import REPLY_SPIN, check_reply_spin
 from dkv.transport import rdma_possible
@@ -387,7 +388,7 @@ class DKVConnector:
         poll = None
         if sched.backing_off(address):
             sched.count(lookups_skipped=1)
-            future = _answered(None)
+            future = resolved(None)
         else:
             try:
                 in_place = worker.start_lookup_in_place(address, hashes, group, peer, hint)  # no hop, when it can
@@ -398,12 +399,12 @@ class DKVConnector:
                 future, poll = in_place.future, in_place.poll
             elif in_place is None:
                 sched.count_lookup(None)
-                future = _answered(None)
+                future = resolved(None)
             else:
                 try:
                     future = worker.submit(worker.lookup_handle(address, hashes, group, peer, hint))
                 except RuntimeError:
-                    future = _answered(None)
+                    future = resolved(None)
         handle = DKVLookup(hashes, replica_idx, hint, group, future, poll)
         handle._leaves = sched.leaf_names
         return handle
@@ -644,12 +645,6 @@ class DKVConnector:
 
     def __repr__(self) -> str:
         return f"DKVConnector(node={self.node_address!r}, namespace={self.namespace!r}, leaves={list(self._leaves)})"
-
-
-def _answered(state: LeaseState | None) -> concurrent.futures.Future[LeaseState | None]:
-    future: concurrent.futures.Future[LeaseState | None] = concurrent.futures.Future()
-    future.set_result(state)
-    return future
 
 
 __all__ = [

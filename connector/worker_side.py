@@ -46,6 +46,7 @@ from dkv import held_gil
 from dkv import copy_threads
 from dkv.copy_threads import ChunkedCopy, PostedCopy
 from dkv.lease_slots import LeaseSlots, RowRun
+from dkv.light_future import LightFuture
 from dkv.direct_channel import ChannelBusy, ChannelClosed
 from dkv.errors import ChecksumMismatch, OpTimeout, TransportError
 from dkv.etcd import EtcdSettings, Layout, make_client
@@ -176,7 +177,7 @@ class InPlaceLookup:
 
     def __init__(self, worker: WorkerSide, client: NodeClient, address: str, hashes: list[bytes], fits: int,
                  peer: bool, hint: bytes | None, group: int, slot: Slot, pending: PendingLookup) -> None:
-        self.future: concurrent.futures.Future[LeaseState | None] = concurrent.futures.Future()
+        self.future: concurrent.futures.Future[LeaseState | None] = LightFuture()
         self._worker = worker
         self._client = client
         self._address = address
@@ -890,7 +891,7 @@ class WorkerSide:
             copy = None
         if copy is None:
             return None  # posted: the loop reads it the two-step way (its slot map is taken)
-        future: concurrent.futures.Future[Completion | None] = concurrent.futures.Future()
+        future: concurrent.futures.Future[Completion | None] = LightFuture()
         with self._tasks_lock:
             self.tasks.add(future)
             self._copies.add(copy)
@@ -1053,7 +1054,7 @@ class WorkerSide:
         if runs is None:
             return None
         _, finish = self.copy[plan.device].load_targets([])  # CPU rows are filled in place: a finisher that says so
-        future: concurrent.futures.Future[Completion | None] = concurrent.futures.Future()
+        future: concurrent.futures.Future[Completion | None] = LightFuture()
         waiting = [True]  # until the node's answer is in (or the read failed): lookups wait meanwhile
 
         def answered() -> None:
@@ -1229,7 +1230,7 @@ class WorkerSide:
 
         Returns at once; ``RuntimeError`` (``coro`` closed) once the loop is stopped.
         """
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        future: concurrent.futures.Future[Any] = LightFuture()
         with self._tasks_lock:
             self.tasks.add(future)
         future.add_done_callback(self._forget)
