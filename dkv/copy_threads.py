@@ -34,6 +34,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from dkv.light_future import LightFuture
+
 COPY_THREADS = 2  # the copy and its checksum are most of a large same-host load; more would only share two cores
 CHUNK_BYTES = 1 << 20  # a chunk at least: enough to amortise its slices of the plan and its native call
 # A copy is cut into at most this many chunks: one a thread, taken in turn (a thread that starts late
@@ -116,7 +118,7 @@ class PostedCopy:
 
     def __init__(self, copy: Any, shares: int) -> None:
         """Any thread: post ``copy`` as ``shares`` shares (``RuntimeError``: no native thread could be started)."""
-        self.done: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        self.done: concurrent.futures.Future[bool] = LightFuture()
         self._copy = copy
         self._key = id(copy)  # the watcher's key: the native copy hands back itself
         self._lock = threading.Lock()
@@ -165,26 +167,41 @@ class PostedCopy:
 
 
 # The posted copies not yet seen to end by the watcher, by the id of their native copy (which it hands back).
+# A store and a pop are each atomic under the GIL: posting (the engine's scheduler thread) takes no lock here,
+# and touches nothing the watcher thread writes but the dict (a lock shared with it cost a post 2-6 µs).
 _posted: dict[int, PostedCopy] = {}
-_posted_lock = threading.Lock()
-_watcher_pid = -1
+_watcher_lock = threading.Lock()  # starting the watcher
+_watching = False  # this process has its watcher (a forked child has none: see _forget_the_parents_watcher)
 WATCH_WAKE = 1.0  # seconds: how often the idle watcher wakes (only to be interruptible; nothing is polled)
 
 
 def _watch(posted: PostedCopy) -> None:
-    global _watcher_pid
-    with _posted_lock:
-        if _watcher_pid != os.getpid():  # first use, or a forked child: the parent's watcher is not here
+    if not _watching:
+        _start_watcher()
+    _posted[posted._key] = posted
+
+
+def _start_watcher() -> None:
+    global _watching
+    with _watcher_lock:
+        if not _watching:  # first use, or a forked child's
             threading.Thread(target=_watcher, name="dkv-copy-watcher", daemon=True).start()
-            _posted.clear()
-            _watcher_pid = os.getpid()
-        _posted[posted._key] = posted
+            _watching = True
+
+
+def _forget_the_parents_watcher() -> None:
+    """A forked child: the parent's watcher is not here, nor are its posted copies (the native pool ends them)."""
+    global _watching, _watcher_lock
+    _watching = False
+    _watcher_lock = threading.Lock()
+    _posted.clear()
+
+
+os.register_at_fork(after_in_child=_forget_the_parents_watcher)
 
 
 def _unwatch(posted: PostedCopy) -> None:
-    with _posted_lock:
-        if _posted.get(posted._key) is posted:
-            del _posted[posted._key]
+    _posted.pop(posted._key, None)  # the key is the live native copy's id: no other copy has it meanwhile
 
 
 def _watcher() -> None:
@@ -198,8 +215,7 @@ def _watcher() -> None:
 def _settle_ended(ended: list[Any]) -> None:
     """The watcher: settle these ended copies (a function of its own, so that no reference outlives it)."""
     for copy in ended:
-        with _posted_lock:
-            posted = _posted.pop(id(copy), None)
+        posted = _posted.pop(id(copy), None)
         if posted is not None:
             posted._settle()  # noqa: SLF001 - the module's own class
 
@@ -221,7 +237,7 @@ class ChunkedCopy:
     """
 
     def __init__(self) -> None:
-        self.done: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        self.done: concurrent.futures.Future[bool] = LightFuture()
         self._lock = threading.Lock()
         self._bounds: Sequence[int] = ()
         self._copy_chunk: Callable[[int, int], bool] | None = None

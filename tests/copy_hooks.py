@@ -9,13 +9,16 @@ happens around a copy (a slow one, one that does not verify) holds on every path
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
 import dkv.lease_slots as lease_slots
+from dkv import copy_threads
 from dkv.lease_slots import LeaseSlots
 
 
@@ -78,3 +81,35 @@ def watch_copies(monkeypatch: pytest.MonkeyPatch, *, native: bool = True) -> Cop
 
     monkeypatch.setattr(LeaseSlots, "_copy_and_verify", chunk)
     return hooks
+
+
+@contextlib.contextmanager
+def watcher_held_off(monkeypatch: pytest.MonkeyPatch, bound: float) -> Iterator[list[int]]:
+    """While in the block, the process's copy watcher settles no posted copy (:mod:`dkv.copy_threads`).
+
+    The watcher hands each list of ended copies to ``_settle_ended``, which
+    it looks up as each turn of its loop begins, before it waits for copies
+    to end: here that waits until the block is left (or ``bound`` seconds),
+    then settles them as usual. A watcher already waiting holds the real one,
+    so the block begins only once it has come round to this one (its idle
+    wake-up, ``WATCH_WAKE``, at most a second). Yields the sizes of the lists
+    it was handed meanwhile, so a test can tell that it was held.
+    """
+    let_go, came_round = threading.Event(), threading.Event()
+    settle_ended = copy_threads._settle_ended
+    handed: list[int] = []
+
+    def held(ended: list[Any]) -> None:
+        came_round.set()
+        if ended:
+            handed.append(len(ended))
+            let_go.wait(bound)
+        settle_ended(ended)
+
+    monkeypatch.setattr(copy_threads, "_settle_ended", held)
+    try:
+        if copy_threads._watching:  # (one not started yet looks up this one when it starts)
+            assert came_round.wait(bound), "the copy watcher never came round to the held settle"
+        yield handed
+    finally:
+        let_go.set()

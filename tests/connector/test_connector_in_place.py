@@ -21,7 +21,6 @@ import time
 import pytest
 
 import dkv.lease_slots as lease_slots
-from dkv import copy_threads
 from connector.copy_engine import CopyEngine
 from connector.dkv_connector import DKVConnector
 from connector.transfer_plan import TransferPlan
@@ -29,7 +28,7 @@ from connector.types import CompletedTransfer, KVLoadFailed
 from connector.worker_side import InPlace, WorkerSide
 from dkv.keys import BlockKey
 from tests.conftest import node_stats, wait_for_stats
-from tests.copy_hooks import watch_copies
+from tests.copy_hooks import watch_copies, watcher_held_off
 from tests.connector.conftest import PAGE_BYTES, device_blocks, two_leaves
 from tests.connector.test_connector import BOUND, answered, chain, fill, offload_chain, wait
 
@@ -343,9 +342,7 @@ def test_a_load_on_the_native_copy_threads_completes_for_a_caller_that_only_poll
     conn = connectors(node.address)
     hashes, expected = _offloaded_then_overwritten(conn, 4, seed=17)
     conn.lookup(hashes)
-    held = threading.RLock()  # held here, the process's watcher cannot settle the copy
-    monkeypatch.setattr(copy_threads, "_posted_lock", held)
-    with held:
+    with watcher_held_off(monkeypatch, BOUND):  # the process's watcher cannot settle the copy
         transfer = conn.load({"full": [1, 2, 3, 4]}, {"full": hashes})
         assert not isinstance(transfer, CompletedTransfer)
         deadline = time.monotonic() + BOUND

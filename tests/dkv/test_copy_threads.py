@@ -16,6 +16,7 @@ import dkv.native as dkv_native
 from dkv import copy_threads
 from dkv.checksum import block_checksum, block_head
 from dkv.copy_threads import ChunkedCopy, PostedCopy, chunk_bounds
+from tests.copy_hooks import watcher_held_off
 
 WAIT = 30.0
 
@@ -183,9 +184,7 @@ def test_a_posted_copy_is_settled_by_the_thread_that_polls_it_without_waiting_fo
         native: None, monkeypatch: pytest.MonkeyPatch) -> None:
     copy, rows, segment = _native_copy(64, 16 * 1024)
     settled_on: list[threading.Thread] = []
-    held = threading.RLock()  # held here, the watcher cannot take the copy meanwhile (posting it takes it again)
-    monkeypatch.setattr(copy_threads, "_posted_lock", held)
-    with held:
+    with watcher_held_off(monkeypatch, WAIT) as handed:  # the watcher cannot settle the copy meanwhile
         posted = PostedCopy(copy, 2)
         posted.done.add_done_callback(lambda _f: settled_on.append(threading.current_thread()))
         deadline = time.monotonic() + WAIT
@@ -193,6 +192,9 @@ def test_a_posted_copy_is_settled_by_the_thread_that_polls_it_without_waiting_fo
             assert time.monotonic() < deadline, "the native threads never ended the copy"
             time.sleep(0.0005)
         assert posted.done.result(timeout=0) is True and bytes(rows) == segment
+        while not handed:  # the watcher is handed the ended copy too, and is held there
+            assert time.monotonic() < deadline, "the watcher was never handed the ended copy"
+            time.sleep(0.001)
     assert settled_on == [threading.current_thread()]
     time.sleep(0.2)  # the watcher sees it end too: it settles it no second time
     assert settled_on == [threading.current_thread()] and posted.poll()
