@@ -58,9 +58,14 @@ class _CallSplit:
         self.slow_ns = slow_ns
         self.took: list[int] = []
         self.slow: collections.Counter[str] = collections.Counter()
+        self.cpu: list[int] = []  # the thread's own CPU time in each call
+        self.off: list[int] = []  # neither on a CPU nor queued for one: blocked (the GIL, a lock)
 
     def add(self, took: int, cpu: int, queued: int | None, gc_ns: int) -> None:
         self.took.append(took)
+        self.cpu.append(cpu)
+        if queued is not None:
+            self.off.append(max(0, took - cpu - queued))
         if took <= self.slow_ns:
             return
         parts = {"run queue": queued or 0, "GC": gc_ns, "on CPU": max(0, cpu - gc_ns)}
@@ -70,8 +75,11 @@ class _CallSplit:
         us = sorted(t / 1e3 for t in self.took)
         p99 = us[min(len(us) - 1, int(round(0.99 * (len(us) - 1))))]
         kinds = ", ".join(f"{kind} {self.slow[kind]}" for kind in ("run queue", "GC", "on CPU"))
+        off = f"{statistics.median(self.off) / 1e3:.1f}" if self.off else "?"
         return (f"  {name:15s} p50 {statistics.median(us):8.1f} µs   p99 {p99:8.1f} µs   "
-                f"over {slow_us:.0f} µs: {sum(self.slow.values())} ({kinds})")
+                f"over {slow_us:.0f} µs: {sum(self.slow.values())} ({kinds})\n"
+                f"  {'':15s} p50 on its CPU {statistics.median(self.cpu) / 1e3:.1f} µs, "
+                f"blocked (the GIL, a lock) {off} µs")
 
 
 def main(argv: list[str] | None = None) -> int:
