@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import _thread
 import concurrent.futures
-from concurrent.futures._base import PENDING
+from concurrent.futures._base import LOGGER as _LOGGER, PENDING
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -95,6 +95,24 @@ class LightFuture(concurrent.futures.Future[T]):
         self._exception = None
         self._waiters = []
         self._done_callbacks = []
+
+    def _invoke_callbacks(self) -> None:
+        """Call each callback once, then let go of them, on the thread that settled it.
+
+        A settled ``Future`` keeps its callbacks (their closures, what they
+        hold: a plan's hashes, a finished task) for as long as it lives, and
+        a transfer's future lives on the connector's books and in the engine
+        until the engine drops it: freeing all that then fell to the
+        scheduler thread, inside a later ``load()`` (``_book`` read 15 µs with
+        another connector loading). Once settled no callback is added to the
+        list (``add_done_callback`` calls it at once), so it can go.
+        """
+        callbacks, self._done_callbacks = self._done_callbacks, []
+        for callback in callbacks:
+            try:
+                callback(self)
+            except Exception:
+                _LOGGER.exception("exception calling callback for %r", self)
 
 
 def resolved(value: T) -> LightFuture[T]:

@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -152,3 +153,23 @@ def test_a_condition_wait_that_runs_out_leaves_no_waiter_behind() -> None:
         assert not condition.wait(0)
         assert not condition._waiters
         condition.notify_all()  # nobody waits: nothing to wake
+
+
+def test_a_settled_light_future_lets_go_of_its_callbacks_on_the_settling_thread() -> None:
+    """What its callbacks hold is freed where it settles, not later wherever the future is dropped."""
+    future: LightFuture[int] = LightFuture()
+    called: list[int] = []
+
+    class Held:  # stands for what a callback's closure holds (a plan, a task)
+        def __call__(self, f: concurrent.futures.Future) -> None:
+            called.append(f.result())
+
+    held = Held()
+    alive = weakref.ref(held)
+    future.add_done_callback(held)
+    del held
+    assert alive() is not None  # kept while it may still be called
+    _later(0.01, future.set_result, 5).join(BOUND)
+    assert called == [5] and alive() is None and future.result(0) == 5
+    future.add_done_callback(lambda f: called.append(-f.result()))  # added once settled: called at once
+    assert called == [5, -5] and not future._done_callbacks
