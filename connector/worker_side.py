@@ -80,6 +80,8 @@ IN_PLACE_WATCH_LINGER = 20  # periods the poller waits with nothing to poll befo
 class Transfer:
     """A posted copy: a future on the loop thread, then maybe a device completion. Any thread; never blocks."""
 
+    __slots__ = ("_future", "_poll", "_is_load", "_g0", "_error", "_completion", "_landed")  # one made per load()
+
     def __init__(self, future: concurrent.futures.Future[Completion | None], *, is_load: bool,
                  g0_blocks_per_leaf: Mapping[str, Sequence[int]] | None = None,
                  poll: Callable[[], object] | None = None) -> None:

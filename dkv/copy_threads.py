@@ -116,6 +116,8 @@ class PostedCopy:
     once; ``done``'s callbacks run on that thread.
     """
 
+    __slots__ = ("done", "_copy", "_key", "_lock", "_cancelled")  # one made per load() posted
+
     def __init__(self, copy: Any, shares: int) -> None:
         """Any thread: post ``copy`` as ``shares`` shares (``RuntimeError``: no native thread could be started)."""
         self.done: concurrent.futures.Future[bool] = LightFuture()
