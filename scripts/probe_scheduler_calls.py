@@ -3,7 +3,8 @@
 
 Against one real node (started here, stopped by its PID at the end), a
 connector of ``--call-blocks`` rows of ``--call-size`` (same-host, CPU) times
-``lookup()`` then ``load()``, and ``start_lookup()`` then ``load_lookup()``,
+``lookup()`` then ``load()``, ``start_lookup()`` then ``load_lookup()``, and
+``offload()`` of as many blocks under fresh hashes,
 ``--calls`` times each, while a second connector in the same process loads
 ``--bg-blocks`` x ``--bg-size`` in a loop: ``scripts/bench.py``'s scheduler
 section on its own. After set-up the process is ``gc.freeze()``-d, as engines
@@ -112,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     def wait_done(item: Any, what: str) -> None:
         wait_until_done(item, what, TIMEOUT, SystemExit)
 
-    pool = 2 * (call_size * args.call_blocks + bg_size * args.bg_blocks) + (16 << 20)
+    offloaded = call_size * args.call_blocks * (WARMUP + args.calls + 1)  # every offload() is kept: none evicts
+    pool = 2 * (call_size * args.call_blocks + bg_size * args.bg_blocks) + offloaded + (16 << 20)
     node = start_node("--log-level", "WARNING", pool=str(pool), exit_with_parent=True)
     made: list[Any] = []
     stop = threading.Event()
@@ -161,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                 gc_runs[info["generation"]] += 1
 
         slow_ns = int(args.slow_us * 1e3)
-        split = {"load()": _CallSplit(slow_ns), "load_lookup()": _CallSplit(slow_ns)}
+        split = {name: _CallSplit(slow_ns) for name in ("load()", "load_lookup()", "offload()")}
 
         def timed(name: str, call: Callable[[], Any], record: bool) -> Any:
             queued, gc_before, cpu = run_queue_ns(), gc_ns[0], time.thread_time_ns()
@@ -196,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
                     wait_done(timed("load_lookup()", lambda: conn.load_lookup(handle, {LEAF: call_ids},
                                                                               {LEAF: call_hashes}), record),
                               "load_lookup()")
+                    fresh = _chain(args.call_blocks, i.to_bytes(4, "little") * 8)  # stored at once, never held before
+                    wait_done(timed("offload()", lambda: conn.offload({LEAF: call_ids}, {LEAF: fresh}), record),
+                              "offload()")
             finally:
                 stop.set()
                 if background is not None:
