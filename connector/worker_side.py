@@ -1275,8 +1275,10 @@ class WorkerSide:
         with self._wake_lock:
             fd = self._wake_fd
             if fd >= 0:
-                with contextlib.suppress(BlockingIOError):  # a full pipe: a wake-up is on its way anyway
+                try:
                     held_gil.write(fd, b"\0")
+                except BlockingIOError:  # a full pipe: a wake-up is on its way anyway
+                    pass
                 return
         try:
             loop.loop.call_soon_threadsafe(self._drain_inbox)

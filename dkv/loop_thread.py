@@ -59,6 +59,7 @@ class LoopThread:
     def __init__(self, name: str = "dkv-ucx") -> None:
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._running = False  # True from when the loop runs until it is closed, or its thread ends (see alive)
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
         if not self._ready.wait(30):
@@ -70,12 +71,16 @@ class LoopThread:
         asyncio.set_event_loop(loop)
         self._loop = loop
         loop.run_until_complete(self._init())
+        self._running = True
         self._ready.set()
         try:
             loop.run_forever()
         finally:
-            loop.run_until_complete(self._drain())
-            loop.close()
+            try:
+                loop.run_until_complete(self._drain())
+                loop.close()
+            finally:
+                self._running = False
 
     async def _init(self) -> None:
         hold_transport()  # UCX bound to this loop, held until the loop ends (clients closing here never stop it)
@@ -95,7 +100,14 @@ class LoopThread:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self._loop is not None and not self._loop.is_closed()
+        """Any thread: the loop's thread runs it, or is draining it, and has not closed it. One attribute read.
+
+        Asked at every post from the engine's scheduler thread, so it reads a
+        flag the loop thread clears as its loop ends (closed, or its drain
+        failed), not ``Thread.is_alive()`` and ``is_closed()`` (five Python
+        calls and a lock).
+        """
+        return self._running
 
     def in_loop(self) -> bool:
         return threading.current_thread() is self._thread

@@ -147,3 +147,37 @@ def test_a_thread_that_is_not_normal_work_is_left_as_it_is() -> None:
     thread.start()
     thread.join(BOUND)
     assert seen == [False, os.SCHED_IDLE]
+
+
+class _FailingDrainLoopThread(_BareLoopThread):
+    """Its drain raises: the loop is never closed, and its thread ends."""
+
+    async def _drain(self) -> None:
+        raise RuntimeError("the drain failed")
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the failing drain's, meant
+def test_alive_holds_while_the_loop_runs_and_drains_and_not_once_it_ended_however_it_ended() -> None:
+    draining = threading.Event()
+    let_go = threading.Event()
+
+    class _SlowDrain(_BareLoopThread):
+        async def _drain(self) -> None:
+            draining.set()
+            await asyncio.get_running_loop().run_in_executor(None, let_go.wait, BOUND)
+
+    for thread in (_SlowDrain(name="dkv-test-slow-drain"), _FailingDrainLoopThread(name="dkv-test-failing-drain")):
+        assert thread.alive
+        stopper = threading.Thread(target=thread.stop, daemon=True)
+        stopper.start()
+        if isinstance(thread, _SlowDrain):
+            assert draining.wait(BOUND)
+            assert thread.alive  # still draining: work posted now still runs, as before the flag
+            let_go.set()
+        stopper.join(BOUND)
+        assert not thread._thread.is_alive()
+        assert not thread.alive, "a loop thread that ended still reads alive"
+        coro = asyncio.sleep(0)
+        with pytest.raises(RuntimeError):
+            thread.submit(coro)
+        assert coro.cr_frame is None  # closed, never run
