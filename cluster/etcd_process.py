@@ -241,12 +241,12 @@ def etcd_tls_args(certificates: EtcdCertificates | None, client_cert_auth: bool 
             "--trusted-ca-file", str(certificates.ca), *(["--client-cert-auth"] if client_cert_auth else [])]
 
 
-def _log_since(log_path: Path, offset: int) -> str:
-    """What etcd's log got past ``offset`` (one attempt's lines)."""
+def log_since(log_path: Path, offset: int, tail: int = 1500) -> str:
+    """The last ``tail`` characters of what a log got past ``offset`` (one attempt's lines); "" if unreadable."""
     try:
         with open(log_path, "rb") as log:
             log.seek(offset)
-            return log.read().decode(errors="replace")
+            return log.read().decode(errors="replace")[-tail:]
     except OSError:
         return ""
 
@@ -304,7 +304,7 @@ def start_etcd(
             time.sleep(0.05)
         etcd.stop(keep_data=True)
         if client_port is not None:  # fixed ports (a restart): retried only while another process holds one
-            if "address already in use" not in _log_since(log_path, offset):
+            if "address already in use" not in log_since(log_path, offset):
                 break
             time.sleep(FIXED_PORT_PAUSE)  # (an outgoing connection's port, or another test's pick: it goes)
     tail = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cluster.etcd_process import etcd_binary, etcd_tls_args, free_port, make_certificates
+from cluster.etcd_process import etcd_binary, etcd_tls_args, free_port, log_since, make_certificates
 from cluster.netns import NETNS_ENV, NetnsLayout
 from cluster.process import listening_on
 
@@ -237,24 +237,17 @@ def _spawn_etcd_on_free_ports(command: Callable[[int, int], list[str]], log: Pat
             if time.monotonic() > deadline:
                 _stop_pid(proc.pid)
                 raise RuntimeError(f"etcd did not listen on ports {client_port} and {peer_port} within "
-                                   f"{ready_timeout:.0f}s:\n{_log_since(log, logged)}")
+                                   f"{ready_timeout:.0f}s:\n{log_since(log, logged)}")
             time.sleep(0.05)
         if proc.poll() is None:
             return proc, client_port
-        said = _log_since(log, logged)
+        said = log_since(log, logged)
         if "address already in use" not in said or attempt == ETCD_PORT_ATTEMPTS:
             raise RuntimeError(f"etcd exited with {proc.returncode} (attempt {attempt} of {ETCD_PORT_ATTEMPTS}):\n"
                                f"{said}")
         shutil.rmtree(data_dir, ignore_errors=True)  # (a member named for the ports that failed must not remain)
     raise AssertionError("unreachable")
 
-
-def _log_since(log: Path, offset: int) -> str:
-    """The end of what ``log`` got past ``offset`` (this attempt's lines)."""
-    try:
-        return log.read_bytes()[offset:].decode(errors="replace")[-1500:]
-    except OSError:
-        return ""
 
 
 def up(directory: str | Path, nodes: int = 3, *, pool: str = "256MiB", cluster: str = DEFAULT_CLUSTER,
