@@ -1606,7 +1606,7 @@ class NodeClient:
             if mapping is not None:
                 await self._copy_out(session, mapping, reply, views)
             else:
-                landed = None
+                on_landed: Callable[[int, int], None] | None = None
                 if self.checksums:
                     checks: list[Any] = []  # each block's prefix, and the checksums: made once the receives are
                     # posted (the node's first payload message meets a receive sooner), before the first check
@@ -1624,7 +1624,9 @@ class NodeClient:
                             if hashed >= PROGRESS_EVERY_BYTES:
                                 progress_now()  # the node's next messages keep coming meanwhile
                                 hashed = 0
-                await session.conn.recv_payloads(views, self.timeout, landed, reply.get("groups"))
+
+                    on_landed = landed
+                await session.conn.recv_payloads(views, self.timeout, on_landed, reply.get("groups"))
             return reply.get("sums")
 
         sums = await self._call(run, idempotent=False)
