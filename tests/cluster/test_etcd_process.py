@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,9 +28,10 @@ def test_a_port_taken_before_etcd_binds_it_is_picked_again_not_mistaken_for_etcd
     assert etcd is not None and not pid_alive(etcd.proc.pid)
 
 
-def test_fixed_ports_that_are_taken_are_an_error_that_shows_etcd_s_log_and_leaves_nothing(tmp_path: Path,
-                                                                                          monkeypatch) -> None:
-    made = tmp_path / "dkv-etcd-made"  # where the start's own data directory (and, beside it, its log) go
+@pytest.fixture
+def made(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Where a start's own data directory goes (and, beside it, its log); attempts 0.05 s apart."""
+    made = tmp_path / "dkv-etcd-made"
 
     def mkdtemp(**_kwargs: object) -> str:
         made.mkdir()
@@ -37,9 +39,21 @@ def test_fixed_ports_that_are_taken_are_an_error_that_shows_etcd_s_log_and_leave
 
     monkeypatch.setattr(etcd_process.tempfile, "mkdtemp", mkdtemp)
     monkeypatch.setattr(etcd_process, "FIXED_PORT_PAUSE", 0.05)
-    held = socket.socket()
-    held.bind(("127.0.0.1", 0))
-    held.listen(1)
+    return made
+
+
+@pytest.fixture
+def held() -> Iterator[socket.socket]:
+    """A port another process listens on (as far as etcd can tell)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1)
+    yield sock
+    sock.close()
+
+
+def test_fixed_ports_that_are_taken_are_an_error_that_shows_etcd_s_log_and_leaves_nothing(made: Path,
+                                                                                          held: socket.socket) -> None:
     try:
         with pytest.raises(RuntimeError, match=r"(?s)did not start after 5 attempt.*address already in use"):
             etcd_process.start_etcd(client_port=held.getsockname()[1])
@@ -48,19 +62,10 @@ def test_fixed_ports_that_are_taken_are_an_error_that_shows_etcd_s_log_and_leave
     assert not made.exists() and not made.with_suffix(".log").exists(), "a start that failed leaves no etcd files"
 
 
-def test_fixed_ports_held_for_a_while_by_another_process_are_waited_for(tmp_path: Path, monkeypatch) -> None:
+def test_fixed_ports_held_for_a_while_by_another_process_are_waited_for(made: Path, held: socket.socket,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A restart on its old ports, one of them briefly someone else's (an outgoing connection's): it comes up there."""
-    made = tmp_path / "dkv-etcd-made"
-
-    def mkdtemp(**_kwargs: object) -> str:
-        made.mkdir()
-        return str(made)
-
-    monkeypatch.setattr(etcd_process.tempfile, "mkdtemp", mkdtemp)
-    monkeypatch.setattr(etcd_process, "FIXED_PORT_PAUSE", 0.2)
-    held = socket.socket()
-    held.bind(("127.0.0.1", 0))
-    held.listen(1)
+    monkeypatch.setattr(etcd_process, "FIXED_PORT_PAUSE", 0.5)  # ample time for the holder to let go in between
     port = held.getsockname()[1]
 
     def let_go_once_refused() -> None:  # the first attempt found the port taken: the holder lets go
