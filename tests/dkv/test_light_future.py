@@ -173,3 +173,11 @@ def test_a_settled_light_future_lets_go_of_its_callbacks_on_the_settling_thread(
     assert called == [5] and alive() is None and future.result(0) == 5
     future.add_done_callback(lambda f: called.append(-f.result()))  # added once settled: called at once
     assert called == [5, -5] and not future._done_callbacks
+
+
+def test_a_light_future_sets_every_attribute_the_standard_one_does() -> None:
+    """LightFuture.__init__ stands in for Future.__init__: a Python that adds an attribute there must fail here."""
+    standard, light = concurrent.futures.Future(), LightFuture()
+    assert set(vars(light)) == set(vars(standard))
+    assert {name: value for name, value in vars(light).items() if name != "_condition"} == \
+        {name: value for name, value in vars(standard).items() if name != "_condition"}
