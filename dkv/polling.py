@@ -37,8 +37,9 @@ MAX_REPLY_SPIN = 10e-3
 
 recv_spin: Callable[[int, bytearray, int], int] | None = None
 wait_flag: Callable[[bytearray, int], bool] | None = None
+peer_closed: Callable[[int], bool] | None = None  # a peek for a stream's end that never raises (dkv._spin)
 try:
-    from dkv._spin import recv_spin, wait_flag
+    from dkv._spin import peer_closed, recv_spin, wait_flag
 except ImportError:  # not built: every wait sleeps at once
     pass
 
@@ -57,4 +58,5 @@ def spin_ns(seconds: float) -> int:
     return int(seconds * 1e9) if NATIVE and seconds > 0 else 0
 
 
-__all__ = ["MAX_REPLY_SPIN", "NATIVE", "REPLY_SPIN", "check_reply_spin", "recv_spin", "spin_ns", "wait_flag"]
+__all__ = ["MAX_REPLY_SPIN", "NATIVE", "REPLY_SPIN", "check_reply_spin", "peer_closed", "recv_spin", "spin_ns",
+           "wait_flag"]

@@ -62,18 +62,14 @@ class _Expired(Exception):
     """A bounded wait's time ran out (set on its future by its timer; never leaves this module)."""
 
 
-def _expire(future: asyncio.Future[Any]) -> None:
-    if not future.done():
-        future.set_exception(_Expired())
-
-
 class _Receive:
     """What the reader fills now: one framed message, or payload buffers filled in place."""
 
-    __slots__ = ("future", "max_frame", "length", "views", "index", "got", "body")
+    __slots__ = ("future", "max_frame", "length", "views", "index", "got", "body", "deadline")
 
     def __init__(self, future: asyncio.Future[Any], max_frame: int, views: list[memoryview] | None = None) -> None:
         self.future = future
+        self.deadline = 0.0  # the loop's time by which it must be answered (set as it is posted)
         self.max_frame = max_frame
         self.length: int | None = None  # a message's body length, once its header is in
         self.views = views or []  # filled straight from the socket (payloads, or a large body)
@@ -131,6 +127,8 @@ class StreamConnection:
         self._want: _Receive | None = None
         self._ended: BaseException | None = None  # what the reader met: the peer's close or a socket error
         self._reading = False
+        self._bound: asyncio.TimerHandle | None = None  # the receive's bound (see _bound_receive)
+        self._bound_at = 0.0  # when _bound fires
         self._watch()
 
     @property
@@ -296,40 +294,72 @@ class StreamConnection:
                 raise
             raise failure from exc
 
-    async def _bounded_future(self, future: asyncio.Future[Any], timeout: float, what: str) -> Any:
-        """:meth:`_bounded` for a future of this connection's: one timer, no ``asyncio.timeout``.
+    def _bound_receive(self, want: _Receive, timeout: float) -> None:
+        """Fail ``want`` with :class:`_Expired` if it is still waiting ``timeout`` seconds from now.
 
-        ``asyncio.timeout`` costs a few µs per wait (and two ``getpid`` system
-        calls, through ``get_running_loop``), paid by the node on every
-        request it waits for; a timer that fails the future costs less.
+        One timer per connection, not one per receive: a timer made and
+        cancelled costs a few µs (more run cold, as a node's loop runs between
+        requests), paid by the node on every request it waits for. A receive
+        only notes its deadline; the timer is moved only where it would fire
+        too late for it (a shorter bound than the one it was set for). When it
+        fires it fails the waiting receive if that one's deadline has passed,
+        and otherwise is set again for it (receives answered in between cost
+        nothing more).
         """
-        timer = self._loop.call_later(timeout, _expire, future)
-        try:
-            return await future
-        except (_Expired, asyncio.CancelledError, OSError) as exc:
-            failure = self._aborted(exc, what, timeout)
-            if failure is exc:
-                raise
-            raise failure from exc
-        finally:
-            timer.cancel()
+        want.deadline = deadline = self._loop.time() + timeout
+        bound = self._bound
+        if bound is not None:
+            if self._bound_at <= deadline:
+                return
+            bound.cancel()
+        self._bound_at = deadline
+        self._bound = self._loop.call_at(deadline, self._bound_reached)
+
+    def _bound_reached(self) -> None:
+        self._bound = None
+        want = self._want
+        if want is None or want.future.done():
+            return  # nobody waits now: the next receive sets the timer again
+        if self._loop.time() >= want.deadline:
+            want.future.set_exception(_Expired())
+        else:
+            self._bound_at = want.deadline
+            self._bound = self._loop.call_at(want.deadline, self._bound_reached)
+
+    def _unbind(self) -> None:
+        bound, self._bound = self._bound, None
+        if bound is not None:
+            bound.cancel()
 
     async def _receive(self, want: _Receive, timeout: float) -> Any:
-        """Post ``want`` and wait for it (answered at once when the inbox already holds it)."""
+        """Post ``want`` and wait for it, for at most ``timeout`` seconds (answered at once when the inbox holds it).
+
+        A wait that times out, is cancelled or fails aborts the connection
+        (:meth:`_aborted`); a plain ``except``, with no ``asyncio.timeout``,
+        as these waits come once per request a node serves.
+        """
         self._socket()
         if self._want is not None:
             raise TransportError(f"connection to {self.peer}: a receive is already waiting")
         self._want = want
         self._watch()
         self._progress()
+        future = want.future
         try:
-            if want.future.done():
+            if future.done():
                 try:
-                    return want.future.result()
+                    return future.result()
                 except OSError as exc:
                     self.abort()
                     raise TransportError(f"receive with {self.peer} failed: {exc}") from exc
-            return await self._bounded_future(want.future, timeout, "receive")
+            self._bound_receive(want, timeout)
+            try:
+                return await future
+            except (_Expired, asyncio.CancelledError, OSError) as exc:
+                failure = self._aborted(exc, "receive", timeout)
+                if failure is exc:
+                    raise
+                raise failure from exc
         finally:
             if self._want is want:
                 self._want = None
@@ -369,9 +399,24 @@ class StreamConnection:
     # ---- the interface of dkv.transport.Connection ----------------------------------------------
 
     async def send_message(self, message: dict[str, Any], timeout: float = DEFAULT_TIMEOUT) -> None:
-        """Send one framed msgpack message (header and body in one write)."""
+        """Send one framed msgpack message (header and body in one write).
+
+        Written here with one ``send`` (a node's reply nearly always goes at
+        once); only what the kernel did not take goes the way of
+        :meth:`_send_gathered`.
+        """
         body = encode_body(message)
-        await self._send(encode_header(len(body)) + body, timeout, "send")
+        frame = encode_header(len(body)) + body
+        sock = self._socket()
+        try:
+            sent = sock.send(frame)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError as exc:
+            self.abort()
+            raise TransportError(f"send with {self.peer} failed: {exc}") from exc
+        if sent < len(frame):
+            await self._send_gathered((memoryview(frame)[sent:],), timeout, "send")
 
     async def recv_message(self, timeout: float = DEFAULT_TIMEOUT, max_frame: int | None = None) -> dict[str, Any]:
         """Receive one framed message; the header is validated before the body is allocated (see transport)."""
@@ -424,6 +469,7 @@ class StreamConnection:
             self.abort()
             raise TransportError(f"connection to {self.peer} is mid-exchange: it cannot be handed over")
         self._unwatch()
+        self._unbind()
         self._sock = None
         self._ended = ConnectionAbortedError("handed over")
         return sock
@@ -431,6 +477,7 @@ class StreamConnection:
     def abort(self) -> None:
         """Close at once; a receive still waiting fails. Idempotent."""
         self._unwatch()
+        self._unbind()
         sock, self._sock = self._sock, None
         if sock is not None:
             with contextlib.suppress(OSError):

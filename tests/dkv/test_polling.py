@@ -117,3 +117,29 @@ def test_a_flag_set_by_another_thread_ends_the_poll_and_one_never_set_runs_it_ou
     setter.start()
     assert wait_flag(flag, 20 * 10**9) is True  # bounded: False after 20 s had the poll kept the GIL
     setter.join(10)
+
+
+def test_peer_closed_answers_as_a_python_peek_does_and_takes_no_bytes(sockets, monkeypatch) -> None:
+    """The direct channel asks before each request whether the node closed its end; natively and in Python alike."""
+    from dkv import direct_channel
+
+    ours, theirs = sockets
+    native_peek = polling.peer_closed
+    assert native_peek is not None and direct_channel._native_peer_closed is native_peek
+    monkeypatch.setattr(direct_channel, "_native_peer_closed", None)  # the channel's own peek, in Python
+
+    def answers() -> tuple[bool, bool]:
+        return native_peek(ours.fileno()), direct_channel._peer_closed(ours)
+
+    assert answers() == (False, False)  # nothing waiting
+    theirs.sendall(b"xy")
+    assert answers() == (False, False)  # bytes waiting are not an end, and the peeks took none of them
+    assert ours.recv(8) == b"xy"
+    theirs.close()
+    assert answers() == (True, True)  # the stream's end
+    with pytest.raises(ValueError):
+        native_peek(-1)
+    spare = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    fd = spare.fileno()
+    spare.close()
+    assert native_peek(fd) is True  # a descriptor that is no socket any more: no use either

@@ -135,3 +135,54 @@ async def test_a_header_claiming_more_than_the_bound_is_refused_before_its_body(
     theirs.sendall(encode_header(4 * 2**20))  # and no body: the refusal cannot have waited for one
     with pytest.raises(FrameTooLarge):
         await conn.recv_message(5.0)
+
+
+async def test_each_receive_keeps_its_own_bound_under_the_one_timer(pair) -> None:
+    """The connection's one timer serves every receive: a long bound never lets a later, shorter one wait longer,
+    and a receive answered in time leaves the next one its full bound."""
+    conn, theirs = pair
+    theirs.sendall(_frame({"op": "a"}))
+    assert await conn.recv_message(30.0) == {"op": "a"}  # the timer is now set for ~30 s from here
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(OpTimeout):
+        await conn.recv_message(0.2)  # shorter than what the timer was set for: it is moved
+    assert loop.time() - started < 20.0  # (a generous bound: failing it means the 30 s timer was kept)
+    assert conn.closed
+    assert conn._bound is None  # the abort let go of the timer
+
+
+async def test_a_receive_after_a_shorter_one_was_answered_waits_its_full_bound(pair) -> None:
+    conn, theirs = pair
+    theirs.sendall(_frame({"op": "a"}))
+    assert await conn.recv_message(0.3) == {"op": "a"}  # the timer stays set for ~0.3 s from then
+    waiting = asyncio.ensure_future(conn.recv_message(30.0))
+    await asyncio.sleep(1.0)  # well past the first receive's deadline: the timer fired and was set again
+    assert not waiting.done() and not conn.closed
+    theirs.sendall(_frame({"op": "b"}))
+    assert await asyncio.wait_for(waiting, 10.0) == {"op": "b"}
+
+
+async def test_a_message_the_kernel_cannot_take_at_once_is_sent_whole(pair) -> None:
+    """A reply is written with one send; what the kernel did not take is waited for, and arrives whole."""
+    conn, theirs = pair
+    conn._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    theirs.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    message = {"op": "x", "blob": os.urandom(2 << 20)}
+    sending = asyncio.ensure_future(conn.send_message(message, 30.0))
+    await asyncio.sleep(0.05)
+    assert not sending.done()  # the kernel took part of it: the rest waits for the reader
+    frame = _frame(message)
+    got = await asyncio.get_running_loop().run_in_executor(None, _recv_exactly, theirs, len(frame))
+    await asyncio.wait_for(sending, 10.0)
+    assert got == frame
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    parts, left = [], n
+    while left:
+        part = sock.recv(left)
+        assert part, "the stream ended early"
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
