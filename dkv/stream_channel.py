@@ -343,7 +343,8 @@ class StreamConnection:
             raise TransportError(f"connection to {self.peer}: a receive is already waiting")
         self._want = want
         self._watch()
-        self._progress()
+        if self._inbox or self._ended is not None:  # (else nothing has come that could answer it yet)
+            self._progress()
         future = want.future
         try:
             if future.done():

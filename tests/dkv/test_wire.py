@@ -68,6 +68,22 @@ def test_bodies_that_are_not_string_keyed_maps_are_refused(body: bytes) -> None:
         decode_body(body)
 
 
+@pytest.mark.parametrize("large", [False, True], ids=["small", "large"])
+def test_extension_types_and_raw_strings_never_come_out_of_a_body(large: bool) -> None:
+    """Bodies small and large (decoded two ways) give plain values only: an ext type is refused, strings are str."""
+    pad = "p" * (600 if large else 8)
+    assert decode_body(msgpack.packb({"op": "x", "pad": pad})) == {"op": "x", "pad": pad}
+    for ext in (msgpack.ExtType(5, b"abc"), msgpack.Timestamp(1)):
+        with pytest.raises(ProtocolError):
+            decode_body(msgpack.packb({"op": "x", "pad": pad, "v": ext}))
+
+
+def test_a_small_body_claiming_more_elements_than_it_has_bytes_is_refused() -> None:
+    claim = b"\x81\xa1k\xdd" + (60_000).to_bytes(4, "big") + b"\x01"  # {"k": array32 of 60 000}, one element sent
+    with pytest.raises(ProtocolError):
+        decode_body(claim)
+
+
 def test_valid_lookup_passes() -> None:
     msg = decode_body(encode_body({"op": "lookup", "hashes": [b"x" * 32, b"y" * 8], "leaves": ["L"],
                                    "shards": 2, "lease": True, "group": 0}))
@@ -139,6 +155,21 @@ def test_a_read_with_malformed_runs_is_refused(runs: object) -> None:
         {"op": "nope"},
         {"op": "commit"},
         {"hashes": []},
+        # one-item lists (checked without the passes a longer list takes) and scalars, each wrong one way
+        {"op": "lookup", "hashes": [b"x" * 8], "leaves": [""], "shards": 1, "lease": True, "group": 0},
+        {"op": "lookup", "hashes": [b"x" * 8], "leaves": ["L" * 65], "shards": 1, "lease": True, "group": 0},
+        {"op": "lookup", "hashes": [b"x" * 8], "leaves": [b"L"], "shards": 1, "lease": True, "group": 0},
+        {"op": "lookup", "hashes": [b"x" * 8], "leaves": ["L"], "shards": 1, "lease": 1, "group": 0},
+        {"op": "lookup", "hashes": [b"x" * 8], "leaves": ["L"], "shards": True, "lease": True, "group": 0},
+        {"op": "lookup", "hashes": [b"x" * 8], "leaves": ["L"], "shards": 1, "lease": True, "group": 1.0},
+        {"op": "lookup", "hashes": [b"x" * 8], "leaves": ["L"], "shards": 1, "lease": True, "group": 0, "slots": 1},
+        {"op": "end", "ends": [True]},
+        {"op": "end", "ends": [-1]},
+        {"op": "end", "ends": [2**63 + 1]},
+        {"op": "end", "ends": ["1"]},
+        {"op": "end", "ends": 1},
+        {"op": "read", "lease": 1, "keys": [["L", True, b"x" * 8]], "end": True, "shm": False},
+        {"op": "read", "lease": 1, "keys": [["", 0, b"x" * 8]], "end": True, "shm": False},
     ],
 )
 def test_malformed_requests_are_refused(message: dict) -> None:
