@@ -431,8 +431,25 @@ class SchedulerSide:
             self.count(lookups=1, lookup_failures=1)
             return
         reported = sum(m.count(True) for m in state.masks.values())
-        hit = "hits_peer" if state.peer else "hits_local"
-        self.count(lookups=1, blocks_reported=reported, **{hit: int(reported > 0)})
+        with self._count_lock:  # (count() itself, spelled out: once per lookup)
+            counters = self.counters
+            counters.lookups += 1
+            if reported:
+                counters.blocks_reported += reported
+                if state.peer:
+                    counters.hits_peer += 1
+                else:
+                    counters.hits_local += 1
+
+    def count_landed_in_place(self, blocks: int, nbytes: int, *, posted: bool) -> None:
+        """Any thread: one load copied without the loop thread landed (``posted``: counted in ``loads`` already)."""
+        with self._count_lock:  # (count() itself, spelled out: once per load)
+            counters = self.counters
+            if not posted:
+                counters.loads += 1
+            counters.loads_in_place += 1
+            counters.blocks_loaded += blocks
+            counters.bytes_loaded += nbytes
 
     # ---- sources, hints and backoff -------------------------------------------------------------
 

@@ -966,8 +966,7 @@ class WorkerSide:
             self.call_soon(client.flush_ends_soon)
         sched = self.sched
         sched.budget.give_back_lease(state.address, state.lease_id)  # type: ignore[arg-type]
-        sched.count(loads=int(not posted), loads_in_place=1, blocks_loaded=plan.block_count,
-                    bytes_loaded=plan.nbytes)
+        sched.count_landed_in_place(plan.block_count, plan.nbytes, posted=posted)
         sched.observe_load(state.peer, time.perf_counter() - started)
         sched.add_metrics(h2d_bytes_copied=plan.nbytes, dkv_peer_loads=int(state.peer))
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import itertools
 import logging
 import operator
@@ -137,6 +138,19 @@ class NodeInfo:
     host: str
     limits: dict[str, Any]
     features: frozenset[str] = frozenset()  # what it serves beyond the base protocol (dkv.wire.FEATURES)
+
+    @functools.cached_property
+    def bounded_limits(self) -> dict[str, int]:
+        """Every limit of :data:`WIRE_LIMITS`: the node's where it announced a usable one, never above the wire's.
+
+        Worked out once per handshake (a lookup asks for several of them).
+        """
+        bounded = {}
+        for name, default in WIRE_LIMITS.items():
+            announced = self.limits.get(name)
+            usable = isinstance(announced, int) and not isinstance(announced, bool) and announced > 0
+            bounded[name] = min(announced, default) if usable else default
+        return bounded
 
     @classmethod
     def from_reply(cls, reply: dict[str, Any]) -> NodeInfo:
@@ -701,11 +715,11 @@ class NodeClient:
         Before the first handshake, or from a node that does not announce it,
         this is the wire's own bound (:data:`WIRE_LIMITS`).
         """
-        default = WIRE_LIMITS[name]
-        announced = self.info.limits.get(name) if self.info is not None else None
-        if isinstance(announced, int) and not isinstance(announced, bool) and announced > 0:
-            return min(announced, default)
-        return default
+        return (WIRE_LIMITS if self.info is None else self.info.bounded_limits)[name]
+
+    def _limits(self) -> dict[str, int]:
+        """:meth:`limit` of every name at once."""
+        return WIRE_LIMITS if self.info is None else self.info.bounded_limits
 
     async def _known_limits(self) -> None:
         """Handshake once if none happened yet, so that :meth:`limit` answers with the node's own limits."""
@@ -727,12 +741,14 @@ class NodeClient:
 
     def _fits_one_request(self, hashes: int, leaves: int, shards: int) -> bool:
         """True when a presence request of this many hashes, leaves and shards surely fits the node's limits as one."""
-        return (leaves <= self.limit("max_leaves") and hashes * leaves * shards <= self.limit("max_cost")
-                and self._fits_without_estimate(hashes))
+        limits = self._limits()
+        return (leaves <= limits["max_leaves"] and hashes * leaves * shards <= limits["max_cost"]
+                and hashes <= SMALL_REQUEST_KEYS and hashes <= limits["max_keys"] and limits["max_frame"] >= SMALL_FRAME)
 
     def _fits_without_estimate(self, keys: int) -> bool:
         """True when ``keys`` keys surely fit one request of this node (few keys, frames of usual size)."""
-        return keys <= min(SMALL_REQUEST_KEYS, self.limit("max_keys")) and self.limit("max_frame") >= SMALL_FRAME
+        limits = self._limits()
+        return keys <= SMALL_REQUEST_KEYS and keys <= limits["max_keys"] and limits["max_frame"] >= SMALL_FRAME
 
     async def _presence_requests(self, op: str, hashes: Sequence[bytes], leaves: Sequence[str], shards: int,
                                  **extra: Any) -> list[tuple[range, dict[str, Any]]]:
