@@ -222,7 +222,7 @@ class StreamConnection:
                         if self._ended is not None:
                             self._fail(want, self._ended_error())
                         return
-                    want.length = decode_header(inbox[:HEADER_SIZE], want.max_frame)
+                    want.length = decode_header(inbox, want.max_frame)  # (it reads the first HEADER_SIZE bytes)
                     del inbox[:HEADER_SIZE]
                     if want.length >= MAPPED_BODY_MIN:  # large: filled in place, out of the heap
                         want.body = mmap.mmap(-1, want.length)
@@ -234,9 +234,15 @@ class StreamConnection:
                     if self._ended is not None:
                         self._fail(want, self._ended_error())
                     return
-                body = bytes(inbox[:length])
-                del inbox[:length]
-                result = decode_body(body)
+                if len(inbox) == length:  # the usual: the message and nothing after it, decoded in place
+                    try:
+                        result = decode_body(inbox)
+                    finally:
+                        inbox.clear()  # (taken even when it does not decode, as a copied body would be)
+                else:
+                    body = bytes(inbox[:length])
+                    del inbox[:length]
+                    result = decode_body(body)
         except Exception as exc:  # noqa: BLE001 - a bad header or body: the waiter raises it
             self._fail(want, exc)
             return

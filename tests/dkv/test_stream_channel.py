@@ -14,7 +14,7 @@ import socket
 
 import pytest
 
-from dkv.errors import FrameTooLarge, OpTimeout, TransportError
+from dkv.errors import FrameTooLarge, OpTimeout, ProtocolError, TransportError
 from dkv.stream_channel import _INBOX_MAX, MAPPED_BODY_MIN, StreamConnection
 from dkv.wire import encode_body, encode_header
 
@@ -186,3 +186,18 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
         parts.append(part)
         left -= len(part)
     return b"".join(parts)
+
+
+async def test_a_body_that_does_not_decode_is_taken_whole_and_the_next_message_still_arrives(pair) -> None:
+    """Alone in the read-ahead or followed by the next message, a garbled body fails its receive and nothing else."""
+    conn, theirs = pair
+    garbled = encode_header(3) + b"\xc1\xc1\xc1"
+    for after in (b"", _frame({"op": "b"})):
+        theirs.sendall(garbled + after)
+        with pytest.raises(ProtocolError):
+            await conn.recv_message(5.0)
+        if after:
+            assert await conn.recv_message(5.0) == {"op": "b"}
+        assert not conn._inbox
+    theirs.sendall(_frame({"op": "c"}))
+    assert await conn.recv_message(5.0) == {"op": "c"}
