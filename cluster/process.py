@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -206,20 +206,23 @@ def start_node(
     env: dict[str, str] | None = None,
     ready_timeout: float = READY_TIMEOUT,
     exit_with_parent: bool = False,
+    wrapper: Sequence[str] = (),
 ) -> NodeProcess:
     """Start ``dkv serve`` with the given extra arguments and wait until it serves.
 
     ``exit_with_parent``: the node stops by itself once this process has exited,
     however it died (test runs and benchmarks, so that none of their nodes
     outlives them); a cluster's nodes are started without it, to outlive the
-    command that started them.
+    command that started them. ``wrapper``: a command the node runs under
+    (a profiler that then runs the node in its own process, as
+    ``scripts/probe_instructions.py`` runs it under valgrind).
     """
     workdir = Path(workdir or tempfile.mkdtemp(prefix="dkv-node-"))
     workdir.mkdir(parents=True, exist_ok=True)
     ready_file = workdir / "ready.json"
     ready_file.unlink(missing_ok=True)
     log_path = workdir / "node.log"
-    cmd = [sys.executable, "-m", "dkv.cli", "serve", "--listen", listen, "--pool", pool,
+    cmd = [*wrapper, sys.executable, "-m", "dkv.cli", "serve", "--listen", listen, "--pool", pool,
            "--ready-file", str(ready_file), *(("--exit-with-parent",) if exit_with_parent else ()), *args]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

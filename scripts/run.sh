@@ -19,13 +19,13 @@ setup() {
     || headers="python3-dev"
   if ! command -v etcd >/dev/null 2>&1 || ! command -v openssl >/dev/null 2>&1 \
       || ! command -v redis-server >/dev/null 2>&1 || ! command -v gcc >/dev/null 2>&1 \
-      || [ ! -f /usr/include/xxhash.h ] || [ -n "$headers" ]; then
+      || ! command -v valgrind >/dev/null 2>&1 || [ ! -f /usr/include/xxhash.h ] || [ -n "$headers" ]; then
     echo "==> installing etcd (Debian package etcd-server), openssl (test certificates), redis-server (bench baseline)," \
-      "gcc and libxxhash-dev (the native checked copy and lookup run)"
+      "gcc and libxxhash-dev (the native checked copy and lookup run), valgrind (instruction counts)"
     if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq etcd-server iproute2 openssl redis-server \
-      gcc libxxhash-dev $headers >/dev/null
+      gcc libxxhash-dev valgrind $headers >/dev/null
   fi
   local stamp="$VENV/.dkv-installed"
   local pins

@@ -1,0 +1,39 @@
+"""``scripts/probe_instructions.py`` in a short run: both sides counted under callgrind, and nothing left running."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from tests.scripts.script_run import outcome, run_script
+
+SCRIPT = "probe_instructions.py"
+
+
+@pytest.mark.timeout(600)
+def test_the_instruction_probe_counts_the_node_and_the_client_per_one_block_load(tmp_path) -> None:
+    assert shutil.which("valgrind"), "valgrind is not installed (.ci/run and scripts/run.sh setup install it)"
+    out = tmp_path / "counts.json"
+    proc = run_script(SCRIPT, "--ops", "20", "--warmup", "20", "--block-size", "16KiB", "--top", "3",
+                      "--json", str(out), timeout=580)
+    assert proc.returncode == 0, outcome(proc)
+    counts = json.loads(out.read_text())["instructions_per_op"]
+    for side in ("node", "client"):
+        line = re.search(rf"^{side}\s+([0-9,]+) instructions per op", proc.stdout, re.M)
+        assert line is not None, proc.stdout
+        assert int(line.group(1).replace(",", "")) == counts[side]
+        # an op is a leased lookup round trip and a checked copy: tens of thousands of instructions at least,
+        # and not millions (a count that took in the start-up or the warm-up)
+        assert 20_000 < counts[side] < 3_000_000, counts
+    assert len(re.findall(r"^\s+[0-9,]+ \(\s*[0-9.]+%\)\s+\S+:\S+", proc.stdout, re.M)) == 6, proc.stdout
+    leftover = subprocess.run(["pgrep", "-f", "callgrind.*dkv"], capture_output=True, text=True, check=False)
+    assert leftover.stdout.strip() == "", f"processes left running: {leftover.stdout}"
+
+
+def test_the_instruction_probe_refuses_no_ops() -> None:
+    proc = run_script(SCRIPT, "--ops", "0", timeout=60)
+    assert proc.returncode == 2 and "--ops >= 1" in proc.stderr
