@@ -25,7 +25,6 @@ import resource
 import secrets
 import socket
 import time
-from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
