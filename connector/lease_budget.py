@@ -63,21 +63,26 @@ class LeaseBudget:
         """The node has ended ``lease_id``: its slot is free. Idempotent; unknown leases are ignored."""
         with self._lock:
             slot = self._by_lease.pop((address, lease_id), None)
-        self.give_back(address, slot)
+            if slot is not None:
+                self._free_locked(address, slot)
 
     def give_back(self, address: str, slot: Slot | None) -> None:
         """Its lease has ended (or was never granted). Idempotent; ``None`` is ignored."""
         if slot is None:
             return
         with self._lock:
-            held = self._held.get(address)
-            if held is not None:
-                held.pop(slot, None)
-                if not held:
-                    del self._held[address]
-            if len(self._by_lease) > 4 * sum(len(h) for h in self._held.values()) + 64:
-                live = {(a, s) for a, h in self._held.items() for s in h}
-                self._by_lease = {k: s for k, s in self._by_lease.items() if (k[0], s) in live}
+            self._free_locked(address, slot)
+
+    def _free_locked(self, address: str, slot: Slot) -> None:
+        held = self._held.get(address)
+        if held is not None:
+            held.pop(slot, None)
+            if not held:
+                del self._held[address]
+        by_lease = self._by_lease
+        if len(by_lease) > 64 and len(by_lease) > 4 * sum(map(len, self._held.values())) + 64:
+            live = {(a, s) for a, h in self._held.items() for s in h}  # (lapsed slots' leases: swept here)
+            self._by_lease = {k: s for k, s in by_lease.items() if (k[0], s) in live}
 
     def held(self, address: str) -> int:
         """Slots held on ``address`` now (lapsed ones included until the next :meth:`take`)."""
