@@ -171,7 +171,7 @@ class StreamConnection:
         if sock is None:
             return
         try:
-            if want is not None and not want.filled:  # payloads, or a large body: straight into place
+            if want is not None and want.views and not want.filled:  # payloads, or a large body: straight into place
                 n = sock.recv_into(want.views[want.index][want.got:])
                 if n:
                     want.got += n
