@@ -7,9 +7,12 @@ instructions executed do not: the same code gives the same count within
 about a percent. So a change to the path a small load takes is measured
 here, and its time in the alternated probes and the bench.
 
-One op is what ``scripts/bench.py`` times as its same-host one-block load:
+One op is what ``scripts/bench.py`` times as its one-block load:
 ``DKVConnector.lookup`` of one held hash, then ``load`` of its block
-(``--block-size``) until complete, over the connector's own direct channel.
+(``--block-size``) until complete, over the connector's own direct channel:
+same-host (``--path local``: the lookup answers where the block lies, the
+client copies it) or on the listener path (``--path listener``: the node
+sends the block with the lookup's answer, over its TCP control socket).
 
   node    the node runs under ``valgrind --tool=callgrind`` (every thread of
           its process); this process runs the client as usual.
@@ -30,7 +33,8 @@ and its helpers: how many Python calls and objects a path makes).
 Needs valgrind (``apt install valgrind``). Every process it starts is
 stopped by its PID.
 
-Usage: probe_instructions.py [--side node|client|both] [--ops 1000] [--warmup 300] [--block-size 64KiB] [--top 0]
+Usage: probe_instructions.py [--side node|client|both] [--path local|listener] [--ops 1000] [--warmup 300]
+                             [--block-size 64KiB] [--top 0] [--json FILE]
 """
 from __future__ import annotations
 
@@ -100,7 +104,7 @@ class _NoMax:
         return None
 
 
-def _loads(address: str, block_bytes: int, reply_spin: float | None) -> tuple[Any, Any, Any]:
+def _loads(address: str, block_bytes: int, reply_spin: float | None, local: bool) -> tuple[Any, Any, Any]:
     """A writer that stored one block and a reader connector, on the node at ``address``; and the op to count."""
     import torch
 
@@ -114,7 +118,7 @@ def _loads(address: str, block_bytes: int, reply_spin: float | None) -> tuple[An
     store_through(writer, "a", hashes, TIMEOUT)
     extra = {} if reply_spin is None else {"reply_spin": reply_spin}
     reader = DKVConnector({"a": full_attention(0)}, [{"a": [torch.zeros(2, block_bytes, dtype=torch.uint8)]}],
-                          namespace="probe", node=address, timeout=TIMEOUT, **extra)
+                          namespace="probe", node=address, timeout=TIMEOUT, local=local, **extra)
 
     def op() -> None:
         if not reader.lookup(hashes)["a"][0]:
@@ -146,7 +150,7 @@ def count_node(args: argparse.Namespace, work: Path) -> tuple[int, Path]:
                       ready_timeout=NODE_READY)
     writer = reader = None
     try:
-        writer, reader, op = _loads(node.address, args.block_bytes, None)
+        writer, reader, op = _loads(node.address, args.block_bytes, None, args.path == "local")
         _counted(node.pid, op, args.ops, args.warmup)
     finally:
         for conn in (reader, writer):
@@ -160,7 +164,7 @@ def count_client(args: argparse.Namespace, work: Path) -> tuple[int, Path]:
     """The client's instructions over ``args.ops`` ops: this script again, under callgrind (``--client-run``)."""
     out = work / "client.callgrind"
     cmd = [*_callgrind(out), sys.executable, os.path.abspath(__file__), "--client-run", "--ops", str(args.ops),
-           "--warmup", str(args.warmup), "--block-size", args.block_size]
+           "--warmup", str(args.warmup), "--block-size", args.block_size, "--path", args.path]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             stdin=subprocess.DEVNULL)
     try:
@@ -182,7 +186,7 @@ def client_run(args: argparse.Namespace) -> int:
     node = start_node("--log-level", "WARNING", pool="64MiB", exit_with_parent=True)
     writer = reader = None
     try:
-        writer, reader, op = _loads(node.address, args.block_bytes, 0.0)
+        writer, reader, op = _loads(node.address, args.block_bytes, 0.0, args.path == "local")
         _counted(os.getpid(), op, args.ops, args.warmup)
         print("counted", flush=True)
     finally:
@@ -196,6 +200,8 @@ def client_run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--side", choices=("node", "client", "both"), default="both")
+    parser.add_argument("--path", choices=("local", "listener"), default="local",
+                        help="same-host (a slot map with the answer) or listener (the block with the answer)")
     parser.add_argument("--ops", type=int, default=1000, help="ops counted")
     parser.add_argument("--warmup", type=int, default=300, help="ops before instrumentation is switched on")
     parser.add_argument("--block-size", default="64KiB", help="the block's size (the bench's one-block load: 64KiB)")
@@ -222,11 +228,12 @@ def main(argv: list[str] | None = None) -> int:
             total, dump = (count_node if side == "node" else count_client)(args, work)
             counts[side] = total // args.ops
             print(f"{side:6s} {counts[side]:>10,} instructions per op  ({args.ops} one-block loads of "
-                  f"{args.block_size}, {time.monotonic() - started:.0f} s under callgrind)", flush=True)
+                  f"{args.block_size}, {args.path} path, {time.monotonic() - started:.0f} s under callgrind)",
+                  flush=True)
             for row in _top(dump, args.top):
                 print(f"         {row}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"ops": args.ops, "block_size": args.block_size,
+        Path(args.json).write_text(json.dumps({"ops": args.ops, "block_size": args.block_size, "path": args.path,
                                                "instructions_per_op": counts}, indent=2))
     return 0
 

@@ -15,13 +15,16 @@ SCRIPT = "probe_instructions.py"
 
 
 @pytest.mark.timeout(600)
-def test_the_instruction_probe_counts_the_node_and_the_client_per_one_block_load(tmp_path) -> None:
+@pytest.mark.parametrize("path", ["local", "listener"])
+def test_the_instruction_probe_counts_the_node_and_the_client_per_one_block_load(tmp_path, path: str) -> None:
     assert shutil.which("valgrind"), "valgrind is not installed (.ci/run and scripts/run.sh setup install it)"
     out = tmp_path / "counts.json"
     proc = run_script(SCRIPT, "--ops", "20", "--warmup", "20", "--block-size", "16KiB", "--top", "3",
-                      "--json", str(out), timeout=580)
+                      "--path", path, "--json", str(out), timeout=580)
     assert proc.returncode == 0, outcome(proc)
-    counts = json.loads(out.read_text())["instructions_per_op"]
+    written = json.loads(out.read_text())
+    assert written["path"] == path and f"{path} path" in proc.stdout
+    counts = written["instructions_per_op"]
     for side in ("node", "client"):
         line = re.search(rf"^{side}\s+([0-9,]+) instructions per op", proc.stdout, re.M)
         assert line is not None, proc.stdout
