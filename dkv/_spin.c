@@ -23,7 +23,8 @@
  *
  *   fd        a stream socket's descriptor
  *
- *   True when the peer closed its end (a non-blocking peek reads end-of-stream) or the socket failed;
+ *   True when the peer closed its end (a non-blocking peek reads end-of-stream) or the socket failed
+ *   (a closed socket's descriptor, -1, included);
  *   False when nothing is waiting to be read, or something is. Takes no bytes; holds the GIL (it never
  *   waits). The same answer as a Python peek (socket.recv(1, MSG_PEEK | MSG_DONTWAIT) == b""), without
  *   the exception a Python peek raises on every call that finds nothing: asked before each request a
@@ -125,7 +126,10 @@ static PyObject *peer_closed(PyObject *Py_UNUSED(self), PyObject *arg) {
     if (value == -1 && PyErr_Occurred()) {
         return NULL;
     }
-    if (value < 0 || value > INT_MAX) {
+    if (value < 0) {
+        Py_RETURN_TRUE; /* a closed socket's fileno(): no use either */
+    }
+    if (value > INT_MAX) {
         PyErr_SetString(PyExc_ValueError, "peer_closed needs a file descriptor");
         return NULL;
     }

@@ -137,9 +137,13 @@ def test_peer_closed_answers_as_a_python_peek_does_and_takes_no_bytes(sockets, m
     assert ours.recv(8) == b"xy"
     theirs.close()
     assert answers() == (True, True)  # the stream's end
+    assert native_peek(-1) is True  # what a closed socket's fileno() gives
     with pytest.raises(ValueError):
-        native_peek(-1)
+        native_peek(2**40)
     spare = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     fd = spare.fileno()
     spare.close()
     assert native_peek(fd) is True  # a descriptor that is no socket any more: no use either
+    assert direct_channel._peer_closed(spare) is True  # a closed socket, in Python
+    monkeypatch.setattr(direct_channel, "_native_peer_closed", native_peek)
+    assert direct_channel._peer_closed(spare) is True  # and natively (its fileno() is -1)
