@@ -371,6 +371,17 @@ class StreamConnection:
             if self._want is want:
                 self._want = None
 
+    def _sent_now(self, write: Callable[[Any], int], data: Any, what: str) -> int:
+        """The bytes the kernel took at once of ``write(data)`` (a non-blocking ``send`` or ``sendmsg``): 0 where it
+        took none; a write that failed aborts the connection and raises :class:`TransportError`."""
+        try:
+            return write(data)
+        except (BlockingIOError, InterruptedError):
+            return 0
+        except OSError as exc:
+            self.abort()
+            raise TransportError(f"{what} with {self.peer} failed: {exc}") from exc
+
     async def _send(self, data: Any, timeout: float, what: str) -> None:
         """Write ``data``; wait (bounded) only for what the kernel did not take at once."""
         await self._send_gathered((data,), timeout, what)
@@ -388,13 +399,7 @@ class StreamConnection:
         at = 0
         while at < len(views):
             batch = views[at:at + _IOV_BATCH]
-            try:
-                sent = sock.sendmsg(batch)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError as exc:
-                self.abort()
-                raise TransportError(f"{what} with {self.peer} failed: {exc}") from exc
+            sent = self._sent_now(sock.sendmsg, batch, what)
             for view in batch:
                 at += 1
                 if sent >= view.nbytes:
@@ -414,14 +419,7 @@ class StreamConnection:
         """
         body = encode_body(message)
         frame = encode_header(len(body)) + body
-        sock = self._socket()
-        try:
-            sent = sock.send(frame)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        except OSError as exc:
-            self.abort()
-            raise TransportError(f"send with {self.peer} failed: {exc}") from exc
+        sent = self._sent_now(self._socket().send, frame, "send")
         if sent < len(frame):
             await self._send_gathered((memoryview(frame)[sent:],), timeout, "send")
 
