@@ -957,26 +957,33 @@ class NodeClient:
         """What a leased lookup's ``reply`` says; a slot map it carries is kept for the lease's load."""
         masks = _unpack_masks(reply["masks"], len(message["hashes"]))
         lease_id = reply.get("lease")
-        if lease_id is not None:
-            with self._lock:
-                self._remember_lease_locked(lease_id, message["group"], (message["hashes"], message["shards"]))
-        if mapping is not None and lease_id is not None and "slots" in reply:
+        if lease_id is None:
+            return LookupResult(masks, None)
+        slots = None
+        if mapping is not None and "slots" in reply:  # (parsed before the lock is taken)
             ttl = float(reply.get("ttl") or 0.0)
             slots = LeaseSlots(mapping, message["hashes"], message["shards"], reply["slots"],
                                live_until=sent_at + ttl - LEASE_CLOCK_MARGIN)
-            self._remember_slots(lease_id, message["group"], slots)
+        with self._lock:
+            self._remember_lease_locked(lease_id, message["group"], (message["hashes"], message["shards"]))
+            if slots is not None:
+                self._keep_slots_locked(lease_id, slots)
         return LookupResult(masks, lease_id)
 
     def _remember_slots(self, lease_id: int, group: int, slots: LeaseSlots) -> None:
         """Keep a lease's slot map for its load (bounded: the oldest are forgotten, their loads take two steps)."""
         with self._lock:
-            self._forget_slots_locked(lease_id)
-            self._lease_slots[lease_id] = slots
-            if slots.received:
-                self._received_bytes += slots.mapping.held
             self._remember_lease_locked(lease_id, group)
-            while len(self._lease_slots) > MAX_REMEMBERED_LEASES or self._received_bytes > MAX_RECEIVED_BYTES:
-                self._forget_slots_locked(next(iter(self._lease_slots)))
+            self._keep_slots_locked(lease_id, slots)
+
+    def _keep_slots_locked(self, lease_id: int, slots: LeaseSlots) -> None:
+        """Under ``_lock``: :meth:`_remember_slots` without the lease's group (the caller remembered it)."""
+        self._forget_slots_locked(lease_id)
+        self._lease_slots[lease_id] = slots
+        if slots.received:
+            self._received_bytes += slots.mapping.held
+        while len(self._lease_slots) > MAX_REMEMBERED_LEASES or self._received_bytes > MAX_RECEIVED_BYTES:
+            self._forget_slots_locked(next(iter(self._lease_slots)))
 
     def _remember_lease_locked(self, lease_id: int, group: int,
                                looked_up: tuple[Sequence[bytes], int] | None = None) -> None:
