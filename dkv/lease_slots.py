@@ -96,6 +96,9 @@ _NO_SUM = bytes(CHECKSUM_SIZE)
 
 
 _Entry = tuple[np.ndarray, np.ndarray, np.ndarray]  # one leaf's slot map: offsets, sizes (int64), checksums
+# ... or the same as the packed bytes they view, until a plan needs the arrays (LeaseSlots._arrays): the usual
+# load's native copy (rows_copy) reads the bytes as they are, and three arrays cost ~3 µs a lookup
+_Packed = tuple[bytes, bytes, bytes]
 _FEW_INT64S = [struct.Struct(f"={n}q") for n in range(FEW_KEYS + 1)]  # (a Struct made per call costs ~0.5 µs)
 
 
@@ -105,7 +108,7 @@ def _entry(offsets: bytes, sizes: bytes, sums: bytes) -> _Entry:
 
 
 def _received_map_few(count: int, shards: int, masks: dict[str, list[bool]], sizes: Sequence[int],
-                      sums: Sequence[bytes], good: Sequence[bool]) -> dict[str, _Entry]:
+                      sums: Sequence[bytes], good: Sequence[bool]) -> dict[str, _Entry | _Packed]:
     """:func:`_received_map_arrays` of a few keys, a Python step each (numpy's fixed cost per pass is most of a small map)."""
     starts, at = [], 0
     for size, ok in zip(sizes, good):
@@ -120,7 +123,7 @@ def _received_map_few(count: int, shards: int, masks: dict[str, list[bool]], siz
             for place in range(row * shards, row * shards + shards):
                 offsets[place], slot_sizes[place], leaf_sums[place] = starts[k], sizes[k], sums[k]
                 k += 1
-        entries[leaf] = _entry(pack(*offsets), pack(*slot_sizes), b"".join(leaf_sums))
+        entries[leaf] = (pack(*offsets), pack(*slot_sizes), b"".join(leaf_sums))
     return entries
 
 
@@ -192,24 +195,31 @@ class LeaseSlots:
         if not isinstance(raw, dict):
             raise ProtocolError("slots must be a map")
         count = len(hashes) * shards
-        slots: dict[str, _Entry] = {}
+        slots: dict[str, _Entry | _Packed] = {}
         for leaf, entry in raw.items():
-            if not (isinstance(entry, list) and len(entry) == 3 and all(isinstance(x, bytes) for x in entry)):
+            if not (isinstance(entry, list) and len(entry) == 3 and all(type(x) is bytes for x in entry)):
                 raise ProtocolError(f"slots of leaf {leaf!r} are malformed")
             offsets, sizes, sums = entry
             if len(offsets) != 8 * count or len(sizes) != 8 * count or len(sums) != CHECKSUM_SIZE * count:
                 raise ProtocolError(f"slots of leaf {leaf!r} have the wrong length")
-            slots[leaf] = _entry(offsets, sizes, sums)
+            slots[leaf] = (offsets, sizes, sums)  # as arrays once a plan needs them (_arrays)
         self._take(mapping, hashes, shards, slots, live_until)
 
     def _take(self, mapping: SegmentMapping | ReceivedBlocks, hashes: Sequence[bytes], shards: int,
-              slots: dict[str, _Entry], live_until: float) -> None:
+              slots: dict[str, _Entry | _Packed], live_until: float) -> None:
         self.mapping = mapping
         self.shards = shards
         self.live_until = live_until
         self._hashes = hashes if type(hashes) is list else list(hashes)  # compared with lists (_plan_prefix)
         self._index: dict[bytes, int] | None = None  # built on first use: most lookups are never loaded
         self._slots = slots
+
+    def _arrays(self, leaf: str) -> _Entry | None:
+        """``leaf``'s slot map as arrays (made from its packed bytes on first use, then kept); ``None`` if none."""
+        entry = self._slots.get(leaf)
+        if entry is not None and type(entry[0]) is bytes:
+            entry = self._slots[leaf] = _entry(*entry)  # (two threads may both make them: the same arrays)
+        return entry  # type: ignore[return-value]
 
     @classmethod
     def received_with_lookup(cls, blocks: ReceivedBlocks, hashes: Sequence[bytes], shards: int,
@@ -273,7 +283,9 @@ class LeaseSlots:
         is sliced, not gathered. Refusals are the general plan's.
         """
         n = len(keys)
-        (leaf, entry), = self._slots.items()
+        (leaf, _), = self._slots.items()
+        entry = self._arrays(leaf)
+        assert entry is not None
         if (n > len(self._hashes) or list(map(operator.itemgetter(2), keys)) != self._hashes[:n]
                 or set(map(operator.itemgetter(0), keys)) != {leaf}):
             return False
@@ -289,11 +301,11 @@ class LeaseSlots:
 
     def _plan_few(self, keys: Sequence[Any], sizes: Sequence[int], rows: Sequence[int]) -> tuple[list[int], bytes] | None:
         """:meth:`_plan` of a few keys, each known to the lease (``rows``: its hash's place), a step per key."""
-        shards, limit, slots = self.shards, self.mapping.size, self._slots
+        shards, limit, arrays = self.shards, self.mapping.size, self._arrays
         offsets: list[int] = []
         sums: list[bytes] = []
         for (leaf, shard, _), size, row in zip(keys, sizes, rows):
-            entry = slots.get(leaf)
+            entry = arrays(leaf)
             if entry is None or not 0 <= shard < shards:
                 return None
             at = row * shards + shard
@@ -317,7 +329,7 @@ class LeaseSlots:
         leaf_of = list(map(operator.itemgetter(0), keys))
         leaves = set(leaf_of)
         for leaf in leaves:
-            entry = self._slots.get(leaf)
+            entry = self._arrays(leaf)
             if entry is None:
                 return None
             mine = (slice(None) if len(leaves) == 1

@@ -261,7 +261,7 @@ def test_the_map_of_a_few_blocks_sent_with_an_answer_is_the_array_passes_map() -
         good = [rng.random() < 0.8 for _ in range(sent)]
         few = lease_slots._received_map_few(hashes * shards, shards, masks, sizes, sums, good)
         passes = lease_slots._received_map_arrays(hashes * shards, shards, masks, sizes, sums, good)
-        assert ({leaf: [column.tobytes() for column in entry] for leaf, entry in few.items()}
+        assert ({leaf: [bytes(column) for column in entry] for leaf, entry in few.items()}  # (packed bytes)
                 == {leaf: [column.tobytes() for column in entry] for leaf, entry in passes.items()})
 
 
