@@ -41,10 +41,11 @@ class LeaseBudget:
         with self._lock:
             held = self._held.setdefault(address, {})
             now = self._clock()
-            for slot in [s for s, until in held.items() if until <= now]:
-                del held[slot]  # its lease has expired on the node by now (its _by_lease entry is swept later)
-            if len(held) >= limit:
-                return None
+            if len(held) >= limit:  # (lapsed slots only matter once the budget is full: swept then)
+                for slot in [s for s, until in held.items() if until <= now]:
+                    del held[slot]  # its lease has expired on the node by now (its _by_lease entry is swept later)
+                if len(held) >= limit:
+                    return None
             slot = next(self._slots)
             held[slot] = now + hold_for
             return slot
@@ -85,6 +86,6 @@ class LeaseBudget:
             self._by_lease = {k: s for k, s in by_lease.items() if (k[0], s) in live}
 
     def held(self, address: str) -> int:
-        """Slots held on ``address`` now (lapsed ones included until the next :meth:`take`)."""
+        """Slots held on ``address`` now (lapsed ones included until a :meth:`take` finds the budget full)."""
         with self._lock:
             return len(self._held.get(address, ()))
