@@ -37,7 +37,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -743,12 +743,11 @@ class NodeClient:
         """True when a presence request of this many hashes, leaves and shards surely fits the node's limits as one."""
         limits = self._limits()
         return (leaves <= limits["max_leaves"] and hashes * leaves * shards <= limits["max_cost"]
-                and hashes <= SMALL_REQUEST_KEYS and hashes <= limits["max_keys"] and limits["max_frame"] >= SMALL_FRAME)
+                and _fits_without_estimate(hashes, limits))
 
     def _fits_without_estimate(self, keys: int) -> bool:
         """True when ``keys`` keys surely fit one request of this node (few keys, frames of usual size)."""
-        limits = self._limits()
-        return keys <= SMALL_REQUEST_KEYS and keys <= limits["max_keys"] and limits["max_frame"] >= SMALL_FRAME
+        return _fits_without_estimate(keys, self._limits())
 
     async def _presence_requests(self, op: str, hashes: Sequence[bytes], leaves: Sequence[str], shards: int,
                                  **extra: Any) -> list[tuple[range, dict[str, Any]]]:
@@ -1989,6 +1988,11 @@ def _wire_keys(keys: Sequence[BlockKey]) -> list[Any]:
 
 
 _FEW_MASK_BYTES = 32  # masks up to this long are unpacked without numpy (one byte: 0.2 against 1.1 µs, warm)
+
+
+def _fits_without_estimate(keys: int, limits: Mapping[str, int]) -> bool:
+    """True when ``keys`` keys surely fit one request of a node with these limits (few keys, frames of usual size)."""
+    return keys <= SMALL_REQUEST_KEYS and keys <= limits["max_keys"] and limits["max_frame"] >= SMALL_FRAME
 
 
 def _unpack_masks(raw: Any, length: int) -> dict[str, list[bool]]:
