@@ -41,6 +41,20 @@
  *   (offset, size, checksum), else, or where the block has no checksum or lies off the host tier,
  *   (-1, 0, 16 zero bytes). Nothing is pinned or changed.
  *
+ * stamp_run(blocks, held, depths, stamp, order, entries) -> int
+ *
+ *   One use of each block of ``held`` that ``blocks`` (the store's dict {key: block}) still indexes as
+ *   that very block, in order: its stamp set to ``stamp``, its depth to ``depths[i]`` and its order to
+ *   ``order``, ``order + 1``, ...; one on the host tier (offset >= 0) also gets the recency entry
+ *   (stamp, -depth, order, key) appended to ``entries[tenant]`` (a dict of lists, a list made where its
+ *   tenant has none yet). A block no longer indexed, or indexed as another object, is skipped.
+ *   Returns the next order. Every entry is checked before any block is changed.
+ *
+ * live_entries(blocks, heap) -> list
+ *
+ *   The recency entries (stamp, -depth, order, key) of ``heap`` still live, in the order found: those whose
+ *   key ``blocks`` indexes as a block of that very order on the host tier (offset >= 0).
+ *
  * unpin_all(held) -> int
  *
  *   One pin less on each block of the list ``held`` (a block listed twice loses two); returns how many
@@ -58,6 +72,7 @@
 
 static PyTypeObject *block_type = NULL;
 static Py_ssize_t at_offset = -1, at_size = -1, at_pins = -1, at_checksum = -1;
+static Py_ssize_t at_key = -1, at_stamp = -1, at_depth = -1, at_order = -1, at_tenant = -1;
 static PyObject *zero = NULL;
 static const unsigned char no_sum[CHECKSUM_SIZE] = {0};
 
@@ -87,9 +102,12 @@ static PyObject *bind(PyObject *Py_UNUSED(self), PyObject *type) {
         PyErr_SetString(PyExc_TypeError, "bind() takes the block type");
         return NULL;
     }
-    Py_ssize_t offset, size, pins, checksum;
+    Py_ssize_t offset, size, pins, checksum, key, stamp, depth, order, tenant;
     if (field_at(type, "offset", &offset) < 0 || field_at(type, "size", &size) < 0 ||
-        field_at(type, "pins", &pins) < 0 || field_at(type, "checksum", &checksum) < 0) {
+        field_at(type, "pins", &pins) < 0 || field_at(type, "checksum", &checksum) < 0 ||
+        field_at(type, "key", &key) < 0 || field_at(type, "stamp", &stamp) < 0 ||
+        field_at(type, "depth", &depth) < 0 || field_at(type, "order", &order) < 0 ||
+        field_at(type, "tenant", &tenant) < 0) {
         return NULL;
     }
     Py_INCREF(type);
@@ -98,6 +116,11 @@ static PyObject *bind(PyObject *Py_UNUSED(self), PyObject *type) {
     at_size = size;
     at_pins = pins;
     at_checksum = checksum;
+    at_key = key;
+    at_stamp = stamp;
+    at_depth = depth;
+    at_order = order;
+    at_tenant = tenant;
     Py_RETURN_NONE;
 }
 
@@ -509,6 +532,122 @@ done:
     return result;
 }
 
+static PyObject *stamp_run(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "stamp_run() takes 6 arguments");
+        return NULL;
+    }
+    PyObject *blocks = args[0], *held = args[1], *depths = args[2], *stamp = args[3], *entries = args[5];
+    if (!PyDict_Check(blocks) || !PyList_Check(held) || !PyList_Check(depths) || !PyLong_Check(stamp) ||
+        !PyDict_Check(entries) || PyList_GET_SIZE(held) != PyList_GET_SIZE(depths)) {
+        PyErr_SetString(PyExc_TypeError, "stamp_run(dict, list, list of as many ints, int, order, dict)");
+        return NULL;
+    }
+    long long order = PyLong_AsLongLong(args[4]);
+    if (order == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(held);
+    for (Py_ssize_t i = 0; i < n; i++) { /* check every entry before changing any */
+        PyObject *block = PyList_GET_ITEM(held, i);
+        long long offset;
+        if (!is_block(block) || field_int(block, at_offset, "offset", &offset) < 0) {
+            return NULL;
+        }
+        if (!PyLong_Check(PyList_GET_ITEM(depths, i)) || FIELD(block, at_key) == NULL ||
+            FIELD(block, at_tenant) == NULL) {
+            PyErr_SetString(PyExc_TypeError, "stamp_run() of a block without a key or tenant, or a depth not an int");
+            return NULL;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *block = PyList_GET_ITEM(held, i), *key = FIELD(block, at_key);
+        PyObject *indexed = PyDict_GetItemWithError(blocks, key); /* borrowed */
+        if (indexed != block) {
+            if (PyErr_Occurred()) {
+                return NULL;
+            }
+            continue; /* evicted, cleared or replaced since: a stamp never touches it */
+        }
+        PyObject *depth = PyList_GET_ITEM(depths, i);
+        PyObject *at = PyLong_FromLongLong(order);
+        if (at == NULL) {
+            return NULL;
+        }
+        if (PyLong_AsLongLong(FIELD(block, at_offset)) >= 0) {
+            PyObject *tenant = FIELD(block, at_tenant);
+            PyObject *list = PyDict_GetItemWithError(entries, tenant); /* borrowed */
+            PyObject *negative = NULL, *entry = NULL;
+            int failed = 0;
+            if (list == NULL) {
+                list = PyErr_Occurred() ? NULL : PyList_New(0);
+                failed = list == NULL || PyDict_SetItem(entries, tenant, list) < 0;
+                Py_XDECREF(list); /* (the dict holds it) */
+            }
+            if (!failed) {
+                negative = PyNumber_Negative(depth);
+                entry = negative ? PyTuple_Pack(4, stamp, negative, at, key) : NULL;
+                failed = entry == NULL || PyList_Append(list, entry) < 0;
+            }
+            Py_XDECREF(negative);
+            Py_XDECREF(entry);
+            if (failed) {
+                Py_DECREF(at);
+                return NULL;
+            }
+        }
+        Py_INCREF(stamp);
+        Py_SETREF(FIELD(block, at_stamp), stamp);
+        Py_INCREF(depth);
+        Py_SETREF(FIELD(block, at_depth), depth);
+        Py_SETREF(FIELD(block, at_order), at);
+        order++;
+    }
+    return PyLong_FromLongLong(order);
+}
+
+static PyObject *live_entries(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyDict_Check(args[0]) || !PyList_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "live_entries(dict, list)");
+        return NULL;
+    }
+    PyObject *blocks = args[0], *heap = args[1];
+    Py_ssize_t n = PyList_GET_SIZE(heap);
+    PyObject *live = PyList_New(0);
+    if (live == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *entry = PyList_GET_ITEM(heap, i);
+        if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 4) {
+            PyErr_SetString(PyExc_TypeError, "a recency entry is a tuple (stamp, -depth, order, key)");
+            goto fail;
+        }
+        PyObject *block = PyDict_GetItemWithError(blocks, PyTuple_GET_ITEM(entry, 3)); /* borrowed */
+        if (block == NULL) {
+            if (PyErr_Occurred()) {
+                goto fail;
+            }
+            continue;
+        }
+        long long offset;
+        if (!is_block(block) || field_int(block, at_offset, "offset", &offset) < 0) {
+            goto fail;
+        }
+        if (offset < 0) {
+            continue;
+        }
+        int same = PyObject_RichCompareBool(FIELD(block, at_order), PyTuple_GET_ITEM(entry, 2), Py_EQ);
+        if (same < 0 || (same && PyList_Append(live, entry) < 0)) {
+            goto fail;
+        }
+    }
+    return live;
+fail:
+    Py_DECREF(live);
+    return NULL;
+}
+
 static PyObject *unpin_all(PyObject *Py_UNUSED(self), PyObject *held) {
     if (!PyList_Check(held)) {
         PyErr_SetString(PyExc_TypeError, "unpin_all() takes a list of blocks");
@@ -549,6 +688,10 @@ static PyMethodDef methods[] = {
      "pin_run over several tensor-parallel shards: a hash is present when every shard's block is."},
     {"slot_map", (PyCFunction)(void (*)(void))slot_map, METH_FASTCALL,
      "A lease's packed slot map over hashes x shards, appended to three bytearrays."},
+    {"stamp_run", (PyCFunction)(void (*)(void))stamp_run, METH_FASTCALL,
+     "One use of each still-indexed block: stamp, depth and order set, host blocks' recency entries listed."},
+    {"live_entries", (PyCFunction)(void (*)(void))live_entries, METH_FASTCALL,
+     "The recency entries still live: their block indexed, on the host tier, of that order."},
     {"unpin_all", unpin_all, METH_O, "One pin less on each block of a list; how many reached 0."},
     {NULL, NULL, 0, NULL},
 };

@@ -74,7 +74,7 @@ from dkv.disk_tier import MISSING, DiskEntry, DiskTier, fault_of
 from dkv.credentials import Quotas
 from dkv.errors import LeaseExpired, NodeBusy, WriteRejected
 from dkv.spill import DEFAULT_STAGING_BYTES, SpillJob, Staging
-from dkv.store_runs import bind, pin_run, pin_run_shards, slot_entry, slot_map, unpin_all
+from dkv.store_runs import bind, pin_run, pin_run_shards, live_entries, slot_entry, slot_map, stamp_run, unpin_all
 
 log = logging.getLogger(__name__)
 
@@ -430,7 +430,7 @@ class Store:
         self._owner_leases: dict[str, dict[int, None]] = {}
         self._stamps = itertools.count(1)
         self._ids = itertools.count(1)
-        self._orders = itertools.count(1)
+        self._next_order = 1  # (a counter the native stamp_run advances by a whole use at once)
         self._staging = Staging(self.staging_bytes)
 
     # ---- credentials: what each holds, its quotas, its own recency order ------------------------
@@ -502,7 +502,7 @@ class Store:
         usage.stored_bytes += slot_cost(block.size)
         usage.off_host.pop(block.key, None)
         self._off_host.pop(block.key, None)
-        block.order = next(self._orders)  # any entry left from its time on the host tier is stale
+        block.order = self._take_order()  # any entry left from its time on the host tier is stale
         self._push_recency(usage, block)
 
     # ---- presence ---------------------------------------------------------------------------
@@ -910,16 +910,10 @@ class Store:
 
         A block no longer indexed (evicted, cleared or replaced since its lease
         ended) is skipped: a stamp never brings a block back or touches its
-        successor.
+        successor (:meth:`_stamp_blocks`).
         """
-        blocks = self.blocks
         for held, depths in uses:
-            if all(blocks.get(block.key) is block for block in held):
-                self._stamp_blocks(held, depths)
-                continue
-            live = [(block, depth) for block, depth in zip(held, depths) if blocks.get(block.key) is block]
-            if live:
-                self._stamp_blocks([block for block, _ in live], [depth for _, depth in live])
+            self._stamp_blocks(held, depths)
 
     def leased_count(self, lease_id: int) -> int:
         """How many blocks lease ``lease_id`` pins (one its lookup named twice, twice); 0 when it is not held."""
@@ -1140,30 +1134,33 @@ class Store:
         pairs = [(blocks[key], depth) for key, depth in keyed_depths]
         self._stamp_blocks([block for block, _ in pairs], [depth for _, depth in pairs])
 
-    def _stamp_blocks(self, held: Sequence[Block], depths: Sequence[int]) -> None:
-        """One use of these indexed blocks, each at its depth: :meth:`_restamp` of each, inlined (the hot path:
-        touches, loaded lookups, a same-host lease's end)."""
-        stamp = next(self._stamps)
-        tenants, orders, push = self._tenants, self._orders, heapq.heappush
-        tenant: str | None = None
-        heap: list[tuple[int, int, int, StoreKey]] = []
-        pushed: list[TenantUsage] = []  # whose heaps grew: checked once the batch is in, not per block
-        for block, depth in zip(held, depths):
-            order = next(orders)
-            block.stamp, block.depth, block.order = stamp, depth, order
-            if block.offset >= 0:
-                if block.tenant != tenant:  # a batch is mostly one credential's: one lookup per run of it
-                    tenant = block.tenant
-                    usage = tenants[tenant]
-                    heap = usage.heap
-                    pushed.append(usage)
-                push(heap, (stamp, -depth, order, block.key))
-        for usage in pushed:  # a heap exceeds its bound by at most this one batch, and only until here
-            if len(usage.heap) > 2 * usage.host_blocks + HEAP_SLACK:
+    def _stamp_blocks(self, held: list[Block], depths: list[int]) -> None:
+        """One use of these blocks, each at its depth, where still indexed (a block since evicted, cleared or
+        replaced is skipped): :func:`dkv.store_runs.stamp_run`, native where built (the hot path: touches,
+        loaded lookups, a same-host lease's end).
+
+        The use's recency entries share one stamp, newer than that of any
+        entry in any heap. So, sorted, they are appended to their heap without
+        a sift: each is at least every entry already there, and every parent
+        stays at most its children.
+        """
+        by_tenant: dict[str, list[tuple[int, int, int, StoreKey]]] = {}
+        self._next_order = stamp_run(self.blocks, held, depths, next(self._stamps), self._next_order, by_tenant)
+        tenants = self._tenants
+        for tenant, entries in by_tenant.items():
+            usage = tenants[tenant]
+            entries.sort()
+            usage.heap += entries
+            if len(usage.heap) > 2 * usage.host_blocks + HEAP_SLACK:  # (exceeded by at most this one use)
                 self._compact_recency(usage)
 
+    def _take_order(self) -> int:
+        order = self._next_order
+        self._next_order = order + 1
+        return order
+
     def _restamp(self, block: Block, stamp: int, depth: int) -> None:
-        block.stamp, block.depth, block.order = stamp, depth, next(self._orders)
+        block.stamp, block.depth, block.order = stamp, depth, self._take_order()
         if block.on_host:
             self._push_recency(self._tenants[block.tenant], block)
 
@@ -1182,9 +1179,7 @@ class Store:
         Amortised O(1) per restamp: a pass over the heap itself (never over
         other credentials' blocks) after at least ``host_blocks`` pushes.
         """
-        blocks = self.blocks
-        usage.heap = [entry for entry in usage.heap
-                      if (b := blocks.get(entry[3])) is not None and b.order == entry[2] and b.offset >= 0]
+        usage.heap = live_entries(self.blocks, usage.heap)  # (:mod:`dkv.store_runs`: native where built)
         heapq.heapify(usage.heap)
 
     def recency_entries(self) -> int:

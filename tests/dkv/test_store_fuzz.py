@@ -319,6 +319,20 @@ class StoreMachine(RuleBasedStateMachine):
         assert self.store.pinned_blocks == len(pins)
 
     @invariant()
+    def each_recency_heap_is_a_heap_with_one_live_entry_per_host_block(self) -> None:
+        """A use's entries are appended, not pushed (dkv.store.Store._stamp_blocks): the heap must stay one."""
+        live: dict[StoreKey, int] = {}
+        for usage in self.store._tenants.values():
+            heap = usage.heap
+            for child in range(1, len(heap)):
+                assert heap[(child - 1) // 2] <= heap[child], f"recency heap order broken at entry {child}"
+            for _, _, order, key in heap:
+                block = self.store.blocks.get(key)
+                if block is not None and block.on_host and block.order == order:
+                    live[key] = live.get(key, 0) + 1
+        assert live == {key: 1 for key, block in self.store.blocks.items() if block.on_host}
+
+    @invariant()
     def pool_accounting_is_exact_and_no_slot_is_handed_out_twice(self) -> None:
         slots = [(b.key.namespace, b.offset, slot_cost(b.size)) for b in self.store.blocks.values() if b.size]
         slots += [(k.namespace, offset, slot_cost(len(data))) for w in self.model.writes.values()

@@ -121,6 +121,22 @@ def test_recency_heap_does_not_grow_with_every_read_served(store: Store) -> None
     assert store.recency_entries() <= 2 * len(store.blocks) + HEAP_SLACK + 1
 
 
+def test_a_use_larger_than_its_recency_heap_keeps_it_a_heap_and_evicts_deepest_first(store: Store) -> None:
+    """A use's entries are appended to the heap sorted (Store._stamp_blocks): unsorted, a use naming more
+    entries than the heap held would put a deeper block's entry under a shallower one's."""
+    held = keys(chain(2, b"u"))
+    put(store, held)
+    uses: list[Any] = []
+    _, lease = store.lookup(NS, [k.hash for k in held] * 6, ["L"], 1, owner="c")  # each block named 6 times
+    assert lease is not None and len(lease.blocks) == 12
+    store.end_used_lease(lease.lease_id, "c", uses)
+    store.stamp_uses(uses)
+    for usage in store._tenants.values():
+        heap = usage.heap
+        assert all(heap[(child - 1) // 2] <= heap[child] for child in range(1, len(heap)))
+    assert store._next_victim() is store.blocks[held[1]]  # the deeper of the two, at its last (deepest) place
+
+
 def test_expiry_book_holds_only_what_may_still_expire(store: Store, clock: Clock) -> None:
     held = keys(chain(2, b"e"))
     put(store, held)

@@ -236,6 +236,76 @@ def test_unpin_all_checks_every_entry_before_it_changes_any() -> None:
     assert blocks[0].pins == twin[0].pins == 0
 
 
+def _stamped(blocks: dict[Any, Block]) -> list[tuple[int, int, int]]:
+    return [(b.stamp, b.depth, b.order) for b in blocks.values()]
+
+
+@native
+@settings(max_examples=300, deadline=None)
+@given(specs=block_specs, picks=st.lists(st.integers(0, 30), max_size=40),
+       depths=st.lists(st.integers(0, 1 << 20), min_size=40, max_size=40), gone=st.sets(st.integers(0, 30)),
+       tenants=st.lists(st.sampled_from(["", "t1", "t2"]), min_size=31, max_size=31), order=st.integers(1, 1 << 40))
+def test_both_twins_stamp_alike_over_any_store(specs: list, picks: list[int], depths: list[int], gone: set[int],
+                                               tenants: list[str], order: int) -> None:
+    """Stamps, depths, orders and recency entries alike; blocks no longer indexed (or replaced) left alone."""
+    made = _blocks(specs)
+    for i, block in enumerate(made.values()):
+        block.tenant = tenants[i]
+    objects = list(made.values())
+    held = [objects[i] for i in picks if i < len(objects)]  # repeats stamp twice, as the Python loop did
+    index = {key: block for i, (key, block) in enumerate(made.items()) if i not in gone}
+    for i, key in enumerate(made):
+        if i in gone and i % 2:  # replaced by another block of the same key: not the one held
+            index[key] = Block(key, 1, 0)
+    twin_objects = copy.deepcopy(objects)
+    twin_of = {id(a): b for a, b in zip(objects, twin_objects)}
+    twin_held = [twin_of[id(b)] for b in held]
+    twin_index = {key: twin_of.get(id(block), block) for key, block in index.items()}
+    entries: dict[str, list] = {"t1": [("already there",)]}
+    twin_entries: dict[str, list] = {"t1": [("already there",)]}
+    native_next = store_runs.stamp_run(index, held, depths[:len(held)], 99, order, entries)
+    python_next = store_runs.stamp_run_python(twin_index, twin_held, depths[:len(held)], 99, order, twin_entries)
+    assert native_next == python_next
+    assert entries == twin_entries
+    assert [(b.stamp, b.depth, b.order) for b in objects] == [(b.stamp, b.depth, b.order) for b in twin_objects]
+    stamped = [b for b in held if index.get(b.key) is b]
+    assert native_next == order + len(stamped)
+    assert all(b.stamp == 0 for b in objects if index.get(b.key) is not b)  # never indexed now: never stamped
+    on_host = sum(len(v) for v in entries.values()) - 1
+    assert on_host == sum(1 for b in stamped if b.offset >= 0)
+
+
+@native
+@settings(max_examples=200, deadline=None)
+@given(specs=block_specs, entries=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 3)), max_size=40))
+def test_both_twins_keep_the_same_live_recency_entries(specs: list, entries: list[tuple[int, int]]) -> None:
+    blocks = _blocks(specs)
+    for i, block in enumerate(blocks.values()):
+        block.order = i % 4
+    heap = [(7, -i, order, StoreKey(NS, LEAF, 0, _hash(i))) for i, order in entries]
+    live = store_runs.live_entries(blocks, heap)
+    assert live == store_runs.live_entries_python(blocks, heap)
+    assert all(blocks[e[3]].offset >= 0 and blocks[e[3]].order == e[2] for e in live)
+
+
+@native
+def test_stamp_run_checks_every_entry_before_it_stamps_any() -> None:
+    blocks = _blocks([(0, 10, 0, True), (4096, 10, 0, True)])
+    held = list(blocks.values())
+    for bad in ([held[0], "not a block"], ):
+        with pytest.raises(TypeError):
+            store_runs.stamp_run(blocks, bad, [1, 2], 5, 1, {})
+    with pytest.raises(TypeError):
+        store_runs.stamp_run(blocks, held, [1, "two"], 5, 1, {})
+    with pytest.raises(TypeError):
+        store_runs.stamp_run(blocks, held, [1], 5, 1, {})  # a depth short
+    with pytest.raises(TypeError):
+        store_runs.stamp_run(blocks, tuple(held), [1, 2], 5, 1, {})  # not a list
+    assert _stamped(blocks) == [(0, 0, 0), (0, 0, 0)]
+    with pytest.raises(TypeError):
+        store_runs.live_entries(blocks, [(1, 2, 3)])  # not an entry
+
+
 @native
 def test_bind_takes_only_a_type_whose_fields_are_writable_slots() -> None:
     from dkv import _store_index
@@ -288,7 +358,7 @@ def test_a_store_lookup_answers_alike_on_either_twin(monkeypatch: pytest.MonkeyP
             arena.close()
 
     native_answers = lookups()
-    for name in ("pin_run", "pin_run_shards", "slot_map", "unpin_all"):
+    for name in ("pin_run", "pin_run_shards", "slot_map", "unpin_all", "stamp_run", "live_entries"):
         monkeypatch.setattr(dkv_store, name, getattr(store_runs, f"{name}_python"))
     assert lookups() == native_answers
     assert any(native_answers[0][0][LEAF]) and not all(native_answers[0][0][LEAF])
