@@ -41,14 +41,14 @@
  *   (offset, size, checksum), else, or where the block has no checksum or lies off the host tier,
  *   (-1, 0, 16 zero bytes). Nothing is pinned or changed.
  *
- * stamp_run(blocks, held, depths, stamp, order, entries) -> int
+ * stamp_run(blocks, held, depths, stamp, order) -> (next order, entries)
  *
  *   One use of each block of ``held`` that ``blocks`` (the store's dict {key: block}) still indexes as
  *   that very block, in order: its stamp set to ``stamp``, its depth to ``depths[i]`` and its order to
  *   ``order``, ``order + 1``, ...; one on the host tier (offset >= 0) also gets the recency entry
- *   (stamp, -depth, order, key) appended to ``entries[tenant]`` (a dict of lists, a list made where its
- *   tenant has none yet). A block no longer indexed, or indexed as another object, is skipped.
- *   Returns the next order. Every entry is checked before any block is changed.
+ *   (stamp, -depth, order, key) in ``entries[tenant]`` (a new dict of new lists, each sorted ascending).
+ *   A block no longer indexed, or indexed as another object, is skipped. Every entry is checked before
+ *   any block is changed.
  *
  * live_entries(blocks, heap) -> list
  *
@@ -532,15 +532,32 @@ done:
     return result;
 }
 
+#define NEGATED_KEPT 4096 /* -depth for depths below this: made once and kept (a use's depths repeat) */
+static PyObject *negated[NEGATED_KEPT];
+
+/* -depth (a new reference), kept for small depths; NULL with an exception set. */
+static PyObject *negated_depth(PyObject *depth) {
+    long d = PyLong_AsLong(depth);
+    if (d == -1 && PyErr_Occurred()) {
+        PyErr_Clear(); /* (a depth beyond a C long: negated the general way) */
+    } else if (d >= 0 && d < NEGATED_KEPT) {
+        if (negated[d] == NULL && (negated[d] = PyLong_FromLong(-d)) == NULL) {
+            return NULL;
+        }
+        return Py_NewRef(negated[d]);
+    }
+    return PyNumber_Negative(depth);
+}
+
 static PyObject *stamp_run(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "stamp_run() takes 6 arguments");
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "stamp_run() takes 5 arguments");
         return NULL;
     }
-    PyObject *blocks = args[0], *held = args[1], *depths = args[2], *stamp = args[3], *entries = args[5];
+    PyObject *blocks = args[0], *held = args[1], *depths = args[2], *stamp = args[3];
     if (!PyDict_Check(blocks) || !PyList_Check(held) || !PyList_Check(depths) || !PyLong_Check(stamp) ||
-        !PyDict_Check(entries) || PyList_GET_SIZE(held) != PyList_GET_SIZE(depths)) {
-        PyErr_SetString(PyExc_TypeError, "stamp_run(dict, list, list of as many ints, int, order, dict)");
+        PyList_GET_SIZE(held) != PyList_GET_SIZE(depths)) {
+        PyErr_SetString(PyExc_TypeError, "stamp_run(dict, list, list of as many ints, int, order)");
         return NULL;
     }
     long long order = PyLong_AsLongLong(args[4]);
@@ -560,41 +577,61 @@ static PyObject *stamp_run(PyObject *Py_UNUSED(self), PyObject *const *args, Py_
             return NULL;
         }
     }
+    PyObject *entries = PyDict_New();
+    if (entries == NULL) {
+        return NULL;
+    }
+    PyObject *tenant = NULL, *list = NULL; /* (borrowed) the last block's credential and its list */
+    int rising = 1;                         /* every stamped block deeper than the one before it */
+    long long last_depth = -1;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *block = PyList_GET_ITEM(held, i), *key = FIELD(block, at_key);
         PyObject *indexed = PyDict_GetItemWithError(blocks, key); /* borrowed */
         if (indexed != block) {
             if (PyErr_Occurred()) {
-                return NULL;
+                goto fail;
             }
             continue; /* evicted, cleared or replaced since: a stamp never touches it */
         }
         PyObject *depth = PyList_GET_ITEM(depths, i);
+        long long d = PyLong_AsLongLong(depth);
+        if (d == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            rising = 0;
+        } else {
+            rising = rising && d > last_depth;
+            last_depth = d;
+        }
         PyObject *at = PyLong_FromLongLong(order);
         if (at == NULL) {
-            return NULL;
+            goto fail;
         }
         if (PyLong_AsLongLong(FIELD(block, at_offset)) >= 0) {
-            PyObject *tenant = FIELD(block, at_tenant);
-            PyObject *list = PyDict_GetItemWithError(entries, tenant); /* borrowed */
-            PyObject *negative = NULL, *entry = NULL;
-            int failed = 0;
-            if (list == NULL) {
-                list = PyErr_Occurred() ? NULL : PyList_New(0);
-                failed = list == NULL || PyDict_SetItem(entries, tenant, list) < 0;
-                Py_XDECREF(list); /* (the dict holds it) */
+            if (FIELD(block, at_tenant) != tenant) {
+                tenant = FIELD(block, at_tenant);
+                list = PyDict_GetItemWithError(entries, tenant);
+                if (list == NULL) {
+                    if (PyErr_Occurred() || (list = PyList_New(0)) == NULL) {
+                        Py_DECREF(at);
+                        goto fail;
+                    }
+                    int set = PyDict_SetItem(entries, tenant, list);
+                    Py_DECREF(list); /* (the dict holds it) */
+                    if (set < 0) {
+                        Py_DECREF(at);
+                        goto fail;
+                    }
+                }
             }
-            if (!failed) {
-                negative = PyNumber_Negative(depth);
-                entry = negative ? PyTuple_Pack(4, stamp, negative, at, key) : NULL;
-                failed = entry == NULL || PyList_Append(list, entry) < 0;
-            }
+            PyObject *negative = negated_depth(depth);
+            PyObject *entry = negative ? PyTuple_Pack(4, stamp, negative, at, key) : NULL;
             Py_XDECREF(negative);
-            Py_XDECREF(entry);
-            if (failed) {
+            if (entry == NULL || PyList_Append(list, entry) < 0) {
+                Py_XDECREF(entry);
                 Py_DECREF(at);
-                return NULL;
+                goto fail;
             }
+            Py_DECREF(entry);
         }
         Py_INCREF(stamp);
         Py_SETREF(FIELD(block, at_stamp), stamp);
@@ -603,7 +640,23 @@ static PyObject *stamp_run(PyObject *Py_UNUSED(self), PyObject *const *args, Py_
         Py_SETREF(FIELD(block, at_order), at);
         order++;
     }
-    return PyLong_FromLongLong(order);
+    /* each list ascending: (stamp, -depth, order) with one stamp, so deepest first; blocks found in rising depth
+     * (a lookup's usual order) were listed in exactly the reverse order */
+    Py_ssize_t pos = 0;
+    PyObject *name, *made;
+    while (PyDict_Next(entries, &pos, &name, &made)) {
+        if (rising ? PyList_Reverse(made) < 0 : PyList_Sort(made) < 0) {
+            goto fail;
+        }
+    }
+    PyObject *next = PyLong_FromLongLong(order);
+    PyObject *result = next ? PyTuple_Pack(2, next, entries) : NULL;
+    Py_XDECREF(next);
+    Py_DECREF(entries);
+    return result;
+fail:
+    Py_DECREF(entries);
+    return NULL;
 }
 
 static PyObject *live_entries(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {

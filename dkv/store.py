@@ -1140,16 +1140,14 @@ class Store:
         loaded lookups, a same-host lease's end).
 
         The use's recency entries share one stamp, newer than that of any
-        entry in any heap. So, sorted, they are appended to their heap without
-        a sift: each is at least every entry already there, and every parent
-        stays at most its children.
+        entry in any heap. So, sorted (as ``stamp_run`` gives them), they are
+        appended to their heap without a sift: each is at least every entry
+        already there, and every parent stays at most its children.
         """
-        by_tenant: dict[str, list[tuple[int, int, int, StoreKey]]] = {}
-        self._next_order = stamp_run(self.blocks, held, depths, next(self._stamps), self._next_order, by_tenant)
+        self._next_order, by_tenant = stamp_run(self.blocks, held, depths, next(self._stamps), self._next_order)
         tenants = self._tenants
-        for tenant, entries in by_tenant.items():
+        for tenant, entries in by_tenant.items():  # (each list sorted already)
             usage = tenants[tenant]
-            entries.sort()
             usage.heap += entries
             if len(usage.heap) > 2 * usage.host_blocks + HEAP_SLACK:  # (exceeded by at most this one use)
                 self._compact_recency(usage)

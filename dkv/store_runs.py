@@ -40,16 +40,17 @@ lease's pins back. Contract, for both builds:
   checksum or lies off the host tier, ``(-1, 0, zeros)``. Nothing changes.
 * ``unpin_all(held) -> int``: one pin less on each block listed (twice listed:
   two less); how many reached 0.
-* ``stamp_run(blocks, held, depths, stamp, order, entries) -> order``: one use
-  of each block of the list ``held`` that ``blocks`` (the store's index) still
-  holds as that very object, in order: its ``stamp``, its depth
+* ``stamp_run(blocks, held, depths, stamp, order) -> (order, entries)``: one
+  use of each block of the list ``held`` that ``blocks`` (the store's index)
+  still holds as that very object, in order: its ``stamp``, its depth
   (``depths[i]``, a list as long) and the next ``order`` (``order``,
   ``order + 1``, ...); a block on the host tier also gets its recency entry
-  ``(stamp, -depth, order, key)`` appended to ``entries[block.tenant]`` (a
-  list made where there is none yet). A block no longer indexed (evicted,
-  cleared, replaced) is skipped: a stamp never brings one back. Returns the
-  next order to give. (The store's recency stamping, :meth:`dkv.store.Store._stamp_blocks`:
-  256 blocks took ~70 µs in Python, most of a same-host load's node work.)
+  ``(stamp, -depth, order, key)`` in ``entries[block.tenant]`` (a new dict of
+  lists, each sorted ascending). A block no longer indexed (evicted, cleared,
+  replaced) is skipped: a stamp never brings one back. Returns the next order
+  to give with the entries. (The store's recency stamping,
+  :meth:`dkv.store.Store._stamp_blocks`: 256 blocks took ~70 µs in Python,
+  most of a same-host load's node work.)
 * ``live_entries(blocks, heap) -> list``: the recency entries of the list
   ``heap`` still live, in order: their key indexed as a block of that very
   ``order`` on the host tier (:meth:`dkv.store.Store._compact_recency`).
@@ -182,9 +183,10 @@ def unpin_all_python(held: list) -> int:
     return reached
 
 
-def stamp_run_python(blocks: dict, held: list, depths: list, stamp: int, order: int,
-                     entries: dict[str, list[tuple[int, int, int, Any]]]) -> int:
+def stamp_run_python(blocks: dict, held: list, depths: list, stamp: int,
+                     order: int) -> tuple[int, dict[str, list[tuple[int, int, int, Any]]]]:
     """The Python twin of the native ``stamp_run``."""
+    entries: dict[str, list[tuple[int, int, int, Any]]] = {}
     for block, depth in zip(held, depths, strict=True):
         if blocks.get(block.key) is not block:
             continue
@@ -192,7 +194,9 @@ def stamp_run_python(blocks: dict, held: list, depths: list, stamp: int, order: 
         if block.offset >= 0:
             entries.setdefault(block.tenant, []).append((stamp, -depth, order, block.key))
         order += 1
-    return order
+    for made in entries.values():
+        made.sort()
+    return order, entries
 
 
 def live_entries_python(blocks: dict, heap: list[tuple[int, int, int, Any]]) -> list[tuple[int, int, int, Any]]:

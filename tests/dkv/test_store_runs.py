@@ -243,11 +243,19 @@ def _stamped(blocks: dict[Any, Block]) -> list[tuple[int, int, int]]:
 @native
 @settings(max_examples=300, deadline=None)
 @given(specs=block_specs, picks=st.lists(st.integers(0, 30), max_size=40),
-       depths=st.lists(st.integers(0, 1 << 20), min_size=40, max_size=40), gone=st.sets(st.integers(0, 30)),
+       depths=st.lists(st.one_of(st.integers(0, 5000), st.integers(0, 1 << 70)), min_size=40, max_size=40),
+       rising=st.booleans(), gone=st.sets(st.integers(0, 30)),
        tenants=st.lists(st.sampled_from(["", "t1", "t2"]), min_size=31, max_size=31), order=st.integers(1, 1 << 40))
-def test_both_twins_stamp_alike_over_any_store(specs: list, picks: list[int], depths: list[int], gone: set[int],
-                                               tenants: list[str], order: int) -> None:
-    """Stamps, depths, orders and recency entries alike; blocks no longer indexed (or replaced) left alone."""
+def test_both_twins_stamp_alike_over_any_store(specs: list, picks: list[int], depths: list[int], rising: bool,
+                                               gone: set[int], tenants: list[str], order: int) -> None:
+    """Stamps, depths, orders and recency entries alike; blocks no longer indexed (or replaced) left alone.
+
+    ``rising``: depths in rising order, as a lookup finds its blocks (the native run then reverses its lists
+    instead of sorting them); else any depths, small (kept negated) and beyond a C long.
+    """
+    if rising:
+        depths = sorted(set(depths))
+        depths += [depths[-1] + 1 + i for i in range(40 - len(depths))]
     made = _blocks(specs)
     for i, block in enumerate(made.values()):
         block.tenant = tenants[i]
@@ -261,18 +269,16 @@ def test_both_twins_stamp_alike_over_any_store(specs: list, picks: list[int], de
     twin_of = {id(a): b for a, b in zip(objects, twin_objects)}
     twin_held = [twin_of[id(b)] for b in held]
     twin_index = {key: twin_of.get(id(block), block) for key, block in index.items()}
-    entries: dict[str, list] = {"t1": [("already there",)]}
-    twin_entries: dict[str, list] = {"t1": [("already there",)]}
-    native_next = store_runs.stamp_run(index, held, depths[:len(held)], 99, order, entries)
-    python_next = store_runs.stamp_run_python(twin_index, twin_held, depths[:len(held)], 99, order, twin_entries)
+    native_next, entries = store_runs.stamp_run(index, held, depths[:len(held)], 99, order)
+    python_next, twin_entries = store_runs.stamp_run_python(twin_index, twin_held, depths[:len(held)], 99, order)
     assert native_next == python_next
     assert entries == twin_entries
+    assert all(made == sorted(made) for made in entries.values())  # (appended to a heap as they come)
     assert [(b.stamp, b.depth, b.order) for b in objects] == [(b.stamp, b.depth, b.order) for b in twin_objects]
     stamped = [b for b in held if index.get(b.key) is b]
     assert native_next == order + len(stamped)
     assert all(b.stamp == 0 for b in objects if index.get(b.key) is not b)  # never indexed now: never stamped
-    on_host = sum(len(v) for v in entries.values()) - 1
-    assert on_host == sum(1 for b in stamped if b.offset >= 0)
+    assert sum(map(len, entries.values())) == sum(1 for b in stamped if b.offset >= 0)
 
 
 @native
@@ -294,13 +300,13 @@ def test_stamp_run_checks_every_entry_before_it_stamps_any() -> None:
     held = list(blocks.values())
     for bad in ([held[0], "not a block"], ):
         with pytest.raises(TypeError):
-            store_runs.stamp_run(blocks, bad, [1, 2], 5, 1, {})
+            store_runs.stamp_run(blocks, bad, [1, 2], 5, 1)
     with pytest.raises(TypeError):
-        store_runs.stamp_run(blocks, held, [1, "two"], 5, 1, {})
+        store_runs.stamp_run(blocks, held, [1, "two"], 5, 1)
     with pytest.raises(TypeError):
-        store_runs.stamp_run(blocks, held, [1], 5, 1, {})  # a depth short
+        store_runs.stamp_run(blocks, held, [1], 5, 1)  # a depth short
     with pytest.raises(TypeError):
-        store_runs.stamp_run(blocks, tuple(held), [1, 2], 5, 1, {})  # not a list
+        store_runs.stamp_run(blocks, tuple(held), [1, 2], 5, 1)  # not a list
     assert _stamped(blocks) == [(0, 0, 0), (0, 0, 0)]
     with pytest.raises(TypeError):
         store_runs.live_entries(blocks, [(1, 2, 3)])  # not an entry
