@@ -69,6 +69,7 @@ from dkv.wire import (
 )
 
 log = logging.getLogger(__name__)
+_BLOCK_SIZE = operator.attrgetter("size")
 
 HANDSHAKE_TIMEOUT = 5.0
 ADMIN_NAMESPACE = "dkv.admin"  # inspection only (stats), for the cluster credential; whatever the allow-list
@@ -807,7 +808,7 @@ class NodeServer:
 
     def _stamp_used(self, uses: list[Use]) -> None:
         """Stamp the blocks of the leases :meth:`_end_used` ended as one use each; their bytes count as moved out locally."""
-        self.traffic["out"]["local"] += sum(block.size for blocks, _ in uses for block in blocks)
+        self.traffic["out"]["local"] += sum(sum(map(_BLOCK_SIZE, blocks)) for blocks, _ in uses)  # (no Python step a block)
         self.store.stamp_uses(uses)
 
     async def _op_end(self, peer: _Peer, req: dict[str, Any]) -> None:
