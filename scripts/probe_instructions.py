@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Probe: the instructions a one-block same-host load executes, in the node and in the client, counted by callgrind.
+"""Probe: the instructions a small load executes, in the node and in the client, counted by callgrind.
 
 On this shared two-core machine a round trip's time swings by half from one
 run to the next, more than most changes to the control path move it. The
@@ -13,6 +13,10 @@ One op is what ``scripts/bench.py`` times as its one-block load:
 same-host (``--path local``: the lookup answers where the block lies, the
 client copies it) or on the listener path (``--path listener``: the node
 sends the block with the lookup's answer, over its TCP control socket).
+With ``--blocks N`` (N > 1) one op is the bench's batch load instead:
+``start_lookup`` of N held hashes until answered, then ``load_lookup`` of
+their N blocks until complete (the node's lookup, lease, slot map and
+recency stamps per block; the client's plan and copy).
 
   node    the node runs under ``valgrind --tool=callgrind`` (every thread of
           its process); this process runs the client as usual.
@@ -34,7 +38,7 @@ Needs valgrind (``apt install valgrind``). Every process it starts is
 stopped by its PID.
 
 Usage: probe_instructions.py [--side node|client|both] [--path local|listener] [--ops 1000] [--warmup 300]
-                             [--block-size 64KiB] [--top 0] [--json FILE]
+                             [--block-size 64KiB] [--blocks 1] [--top 0] [--json FILE]
 """
 from __future__ import annotations
 
@@ -55,6 +59,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT = 60.0  # each op's bound: the side under callgrind runs some 50 x slower
 NODE_READY = 300.0  # a node under callgrind takes a minute or more to import and start here
 CLIENT_RUN = 1800.0  # the client under callgrind: imports, warm-up, the ops
+POOL_BYTES = 64 << 20  # the probe node's pool
 ZEROED_AFTER = 100  # ops run instrumented before the counts are zeroed (the first instrumented ones translate code)
 
 
@@ -104,28 +109,37 @@ class _NoMax:
         return None
 
 
-def _loads(address: str, block_bytes: int, reply_spin: float | None, local: bool) -> tuple[Any, Any, Any]:
-    """A writer that stored one block and a reader connector, on the node at ``address``; and the op to count."""
+def _loads(address: str, block_bytes: int, blocks: int, reply_spin: float | None,
+           local: bool) -> tuple[Any, Any, Any]:
+    """A writer that stored ``blocks`` blocks and a reader connector, on the node at ``address``; and the op to count."""
     import torch
 
     from bench_common import chained_hashes, store_through, wait_done
     from connector.dkv_connector import DKVConnector
     from connector.types import full_attention
 
-    hashes = chained_hashes(1)
-    writer = DKVConnector({"a": full_attention(0)}, [{"a": [torch.ones(2, block_bytes, dtype=torch.uint8)]}],
+    hashes = chained_hashes(blocks)
+    ids = list(range(1, blocks + 1))
+    writer = DKVConnector({"a": full_attention(0)}, [{"a": [torch.ones(blocks + 1, block_bytes, dtype=torch.uint8)]}],
                           namespace="probe", node=address, timeout=TIMEOUT)
     store_through(writer, "a", hashes, TIMEOUT)
     extra = {} if reply_spin is None else {"reply_spin": reply_spin}
-    reader = DKVConnector({"a": full_attention(0)}, [{"a": [torch.zeros(2, block_bytes, dtype=torch.uint8)]}],
+    reader = DKVConnector({"a": full_attention(0)}, [{"a": [torch.zeros(blocks + 1, block_bytes, dtype=torch.uint8)]}],
                           namespace="probe", node=address, timeout=TIMEOUT, local=local, **extra)
 
-    def op() -> None:
+    def one_block() -> None:
         if not reader.lookup(hashes)["a"][0]:
             raise SystemExit("the one-block lookup missed")
-        wait_done(reader.load({"a": [1]}, {"a": hashes}), "one-block load", TIMEOUT)
+        wait_done(reader.load({"a": ids}, {"a": hashes}), "one-block load", TIMEOUT)
 
-    return writer, reader, op
+    def batch() -> None:  # as scripts/bench.py times a load of a batch
+        handle = reader.start_lookup(hashes)
+        wait_done(handle, "start_lookup", TIMEOUT)
+        if not all(handle.result()["a"]):
+            raise SystemExit("the batch lookup missed")
+        wait_done(reader.load_lookup(handle, {"a": ids}, {"a": hashes}), "batch load", TIMEOUT)
+
+    return writer, reader, one_block if blocks == 1 else batch
 
 
 def _counted(pid: int, op: Any, ops: int, warmup: int) -> None:
@@ -146,11 +160,11 @@ def count_node(args: argparse.Namespace, work: Path) -> tuple[int, Path]:
     from cluster.process import start_node
 
     out = work / "node.callgrind"
-    node = start_node("--log-level", "WARNING", pool="64MiB", exit_with_parent=True, wrapper=_callgrind(out),
+    node = start_node("--log-level", "WARNING", pool=str(POOL_BYTES), exit_with_parent=True, wrapper=_callgrind(out),
                       ready_timeout=NODE_READY)
     writer = reader = None
     try:
-        writer, reader, op = _loads(node.address, args.block_bytes, None, args.path == "local")
+        writer, reader, op = _loads(node.address, args.block_bytes, args.blocks, None, args.path == "local")
         _counted(node.pid, op, args.ops, args.warmup)
     finally:
         for conn in (reader, writer):
@@ -164,7 +178,8 @@ def count_client(args: argparse.Namespace, work: Path) -> tuple[int, Path]:
     """The client's instructions over ``args.ops`` ops: this script again, under callgrind (``--client-run``)."""
     out = work / "client.callgrind"
     cmd = [*_callgrind(out), sys.executable, os.path.abspath(__file__), "--client-run", "--ops", str(args.ops),
-           "--warmup", str(args.warmup), "--block-size", args.block_size, "--path", args.path]
+           "--warmup", str(args.warmup), "--block-size", args.block_size, "--blocks", str(args.blocks),
+           "--path", args.path]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             stdin=subprocess.DEVNULL)
     try:
@@ -183,10 +198,10 @@ def client_run(args: argparse.Namespace) -> int:
     sys.meta_path.insert(0, _NoMax())
     from cluster.process import start_node
 
-    node = start_node("--log-level", "WARNING", pool="64MiB", exit_with_parent=True)
+    node = start_node("--log-level", "WARNING", pool=str(POOL_BYTES), exit_with_parent=True)
     writer = reader = None
     try:
-        writer, reader, op = _loads(node.address, args.block_bytes, 0.0, args.path == "local")
+        writer, reader, op = _loads(node.address, args.block_bytes, args.blocks, 0.0, args.path == "local")
         _counted(os.getpid(), op, args.ops, args.warmup)
         print("counted", flush=True)
     finally:
@@ -205,15 +220,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ops", type=int, default=1000, help="ops counted")
     parser.add_argument("--warmup", type=int, default=300, help="ops before instrumentation is switched on")
     parser.add_argument("--block-size", default="64KiB", help="the block's size (the bench's one-block load: 64KiB)")
+    parser.add_argument("--blocks", type=int, default=1,
+                        help="blocks a load: 1 (lookup + load), or more (start_lookup + load_lookup, as the bench)")
     parser.add_argument("--top", type=int, default=0, help="also the N C functions that executed the most")
     parser.add_argument("--json", help="also write the counts here")
     parser.add_argument("--client-run", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     from dkv.units import parse_size
 
-    if args.ops < 1 or args.warmup < 0 or args.top < 0:
-        parser.error("--ops >= 1, --warmup >= 0, --top >= 0")
+    if args.ops < 1 or args.warmup < 0 or args.top < 0 or not 1 <= args.blocks <= 4096:
+        parser.error("--ops >= 1, --warmup >= 0, --top >= 0, --blocks in [1, 4096]")
     args.block_bytes = parse_size(args.block_size)
+    if args.block_bytes * (args.blocks + 1) > POOL_BYTES // 2:
+        parser.error(f"--blocks x --block-size must stay under half the probe's pool ({POOL_BYTES >> 20} MiB)")
     if args.client_run:
         return client_run(args)
     for tool in ("valgrind", "callgrind_control", "callgrind_annotate"):
@@ -227,13 +246,15 @@ def main(argv: list[str] | None = None) -> int:
             started = time.monotonic()
             total, dump = (count_node if side == "node" else count_client)(args, work)
             counts[side] = total // args.ops
-            print(f"{side:6s} {counts[side]:>10,} instructions per op  ({args.ops} one-block loads of "
+            what = "one-block loads" if args.blocks == 1 else f"loads of {args.blocks} blocks"
+            print(f"{side:6s} {counts[side]:>10,} instructions per op  ({args.ops} {what} of "
                   f"{args.block_size}, {args.path} path, {time.monotonic() - started:.0f} s under callgrind)",
                   flush=True)
             for row in _top(dump, args.top):
                 print(f"         {row}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"ops": args.ops, "block_size": args.block_size, "path": args.path,
+        Path(args.json).write_text(json.dumps({"ops": args.ops, "block_size": args.block_size, "blocks": args.blocks,
+                                               "path": args.path,
                                                "instructions_per_op": counts}, indent=2))
     return 0
 
