@@ -30,6 +30,13 @@
  *   the exception a Python peek raises on every call that finds nothing: asked before each request a
  *   calling thread sends on its channel.
  *
+ * recv_now(fd, buffer) -> int
+ *
+ *   One receive of what has arrived (MSG_DONTWAIT), holding the GIL (it never waits): the count of bytes
+ *   read into buffer's start (> 0), 0 when the peer closed the stream, -1 when nothing had arrived. Any
+ *   other failure raises OSError. What a thread that polls a reply between other work calls: neither the
+ *   GIL let go (another thread would take it, see dkv.held_gil) nor an exception made when nothing came.
+ *
  * Why: a thread asleep is woken by the kernel when its reply lands or its lock is released; where the
  * core it slept on had gone idle, that wake-up costs tens of µs on a virtual machine (an interrupt to a
  * halted vCPU), a third of a same-host lookup's round trip (scripts/bench.py). A thread that polls
@@ -121,6 +128,25 @@ static PyObject *wait_flag(PyObject *Py_UNUSED(self), PyObject *args) {
     return PyBool_FromLong(set);
 }
 
+static PyObject *recv_now(PyObject *Py_UNUSED(self), PyObject *args) {
+    int fd;
+    Py_buffer view;
+    if (!PyArg_ParseTuple(args, "iw*", &fd, &view)) {
+        return NULL;
+    }
+    ssize_t n;
+    do {
+        n = recv(fd, view.buf, (size_t)view.len, MSG_DONTWAIT);
+    } while (n < 0 && errno == EINTR);
+    int failure = n < 0 && errno != EAGAIN && errno != EWOULDBLOCK ? errno : 0;
+    PyBuffer_Release(&view);
+    if (failure) {
+        errno = failure;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromSsize_t(n < 0 ? -1 : n);
+}
+
 static PyObject *peer_closed(PyObject *Py_UNUSED(self), PyObject *arg) {
     long value = PyLong_AsLong(arg);
     if (value == -1 && PyErr_Occurred()) {
@@ -152,6 +178,9 @@ static PyMethodDef methods[] = {
     {"wait_flag", wait_flag, METH_VARARGS,
      "wait_flag(flag, spin_ns) -> bool: poll the buffer's first byte for up to spin_ns without the GIL; "
      "True once another thread set it non-zero, False when the time ran out first."},
+    {"recv_now", recv_now, METH_VARARGS,
+     "recv_now(fd, buffer) -> int: one receive of what has arrived, holding the GIL; the bytes read into "
+     "buffer's start (> 0), 0 when the peer closed, -1 when nothing had arrived. OSError otherwise."},
     {"peer_closed", peer_closed, METH_O,
      "peer_closed(fd) -> bool: True when a non-blocking peek finds the stream's end (or the socket failed); "
      "takes no bytes."},

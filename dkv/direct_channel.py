@@ -419,11 +419,11 @@ class PendingReply(PolledOutcome):
                     continue  # the stage moved on: look again
                 if need == 0:
                     break
-                try:  # holding the GIL: a poll must not hand it to a thread waiting for it (see dkv.held_gil)
-                    n = held_gil.recv_into_now(self._sock, self._buffer[self._got:])
-                except BlockingIOError:
+                # holding the GIL: a poll must not hand it to a thread waiting for it (see dkv.held_gil)
+                n = held_gil.recv_into_now(self._sock, self._buffer[self._got:])
+                if n < 0:  # nothing has arrived yet
                     if time.monotonic() >= self._deadline:
-                        raise OpTimeout(f"receive from {channel.peer} timed out after {self._timeout:.1f}s") from None
+                        raise OpTimeout(f"receive from {channel.peer} timed out after {self._timeout:.1f}s")
                     return
                 if n == 0:
                     raise ConnectionResetError("the node closed the connection")

@@ -13,10 +13,14 @@ from dkv import held_gil
 pytestmark = pytest.mark.timeout(30)
 
 
-@pytest.fixture(params=[True, False], ids=["libc", "fallback"])
+@pytest.fixture(params=["native", "libc", "fallback"])
 def calls(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
-    """Each test runs through libc (holding the GIL) and through the socket/os fallback."""
-    if not request.param:
+    """Each test runs through the native receive, through libc (holding the GIL) and through the socket/os fallback."""
+    if request.param == "native":
+        assert held_gil._recv_native is not None, "dkv._spin is not built"  # noqa: SLF001 - (run.sh builds it)
+        return held_gil
+    monkeypatch.setattr(held_gil, "_recv_native", None)
+    if request.param == "fallback":
         monkeypatch.setattr(held_gil, "_recv", None)
         monkeypatch.setattr(held_gil, "_write", None)
     elif not held_gil.HOLDS_GIL:
@@ -34,13 +38,16 @@ def test_recv_into_now_reads_what_arrived_and_no_more_than_the_view(calls) -> No
         assert calls.recv_into_now(ours, view) == 3 and bytes(buffer[2:5]) == b"rld"
 
 
-def test_recv_into_now_raises_blocking_when_nothing_arrived_and_answers_0_once_the_peer_closed(  # noqa: ANN001
+def test_recv_into_now_answers_minus_1_when_nothing_arrived_and_0_once_the_peer_closed(  # noqa: ANN001
         calls) -> None:
     ours, theirs = socket.socketpair()
     with ours:
         ours.setblocking(True)  # (a blocking socket: the call itself must not wait)
-        with pytest.raises(BlockingIOError):
-            calls.recv_into_now(ours, memoryview(bytearray(4)))
+        assert calls.recv_into_now(ours, memoryview(bytearray(4))) == -1
+        theirs.sendall(b"ab")
+        buffer = bytearray(4)
+        assert calls.recv_into_now(ours, memoryview(buffer)) == 2 and buffer[:2] == b"ab"
+        assert calls.recv_into_now(ours, memoryview(buffer)) == -1
         theirs.close()
         assert calls.recv_into_now(ours, memoryview(bytearray(4))) == 0
 
@@ -49,6 +56,14 @@ def test_recv_into_now_on_a_socket_that_cannot_read_is_an_os_error(calls) -> Non
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as unconnected, pytest.raises(OSError) as raised:
         calls.recv_into_now(unconnected, memoryview(bytearray(4)))
     assert not isinstance(raised.value, BlockingIOError)  # ENOTCONN, as socket.recv_into says
+
+
+def test_recv_into_now_on_a_closed_socket_is_an_os_error(calls) -> None:  # noqa: ANN001
+    ours, theirs = socket.socketpair()
+    theirs.close()
+    ours.close()  # (its fileno() is -1 now)
+    with pytest.raises(OSError):
+        calls.recv_into_now(ours, memoryview(bytearray(4)))
 
 
 def test_write_writes_and_a_full_pipe_raises_blocking(calls) -> None:  # noqa: ANN001
