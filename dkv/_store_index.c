@@ -41,19 +41,18 @@
  *   (offset, size, checksum), else, or where the block has no checksum or lies off the host tier,
  *   (-1, 0, 16 zero bytes). Nothing is pinned or changed.
  *
- * stamp_run(blocks, held, depths, stamp, order) -> (next order, entries)
+ * stamp_run(held, depths, stamp, order) -> (next order, entries)
  *
- *   One use of each block of ``held`` that ``blocks`` (the store's dict {key: block}) still indexes as
- *   that very block, in order: its stamp set to ``stamp``, its depth to ``depths[i]`` and its order to
- *   ``order``, ``order + 1``, ...; one on the host tier (offset >= 0) also gets the recency entry
- *   (stamp, -depth, order, key) in ``entries[tenant]`` (a new dict of new lists, each sorted ascending).
- *   A block no longer indexed, or indexed as another object, is skipped. Every entry is checked before
- *   any block is changed.
+ *   One use of each block of ``held`` still in the store's index (its ``indexed`` is True), in order: its
+ *   stamp set to ``stamp``, its depth to ``depths[i]`` and its order to ``order``, ``order + 1``, ...; one
+ *   on the host tier (offset >= 0) also gets the recency entry (stamp, -depth, order, block) in
+ *   ``entries[tenant]`` (a new dict of new lists, each sorted ascending). A block no longer indexed is
+ *   skipped. Every entry is checked before any block is changed.
  *
- * live_entries(blocks, heap) -> list
+ * live_entries(heap) -> list
  *
- *   The recency entries (stamp, -depth, order, key) of ``heap`` still live, in the order found: those whose
- *   key ``blocks`` indexes as a block of that very order on the host tier (offset >= 0).
+ *   The recency entries (stamp, -depth, order, block) of ``heap`` still live, in the order found: those
+ *   whose block is indexed, on the host tier (offset >= 0) and of that very order.
  *
  * unpin_all(held) -> int
  *
@@ -72,7 +71,7 @@
 
 static PyTypeObject *block_type = NULL;
 static Py_ssize_t at_offset = -1, at_size = -1, at_pins = -1, at_checksum = -1;
-static Py_ssize_t at_key = -1, at_stamp = -1, at_depth = -1, at_order = -1, at_tenant = -1;
+static Py_ssize_t at_key = -1, at_stamp = -1, at_depth = -1, at_order = -1, at_tenant = -1, at_indexed = -1;
 static PyObject *zero = NULL;
 static const unsigned char no_sum[CHECKSUM_SIZE] = {0};
 
@@ -102,12 +101,12 @@ static PyObject *bind(PyObject *Py_UNUSED(self), PyObject *type) {
         PyErr_SetString(PyExc_TypeError, "bind() takes the block type");
         return NULL;
     }
-    Py_ssize_t offset, size, pins, checksum, key, stamp, depth, order, tenant;
+    Py_ssize_t offset, size, pins, checksum, key, stamp, depth, order, tenant, indexed;
     if (field_at(type, "offset", &offset) < 0 || field_at(type, "size", &size) < 0 ||
         field_at(type, "pins", &pins) < 0 || field_at(type, "checksum", &checksum) < 0 ||
         field_at(type, "key", &key) < 0 || field_at(type, "stamp", &stamp) < 0 ||
         field_at(type, "depth", &depth) < 0 || field_at(type, "order", &order) < 0 ||
-        field_at(type, "tenant", &tenant) < 0) {
+        field_at(type, "tenant", &tenant) < 0 || field_at(type, "indexed", &indexed) < 0) {
         return NULL;
     }
     Py_INCREF(type);
@@ -121,6 +120,7 @@ static PyObject *bind(PyObject *Py_UNUSED(self), PyObject *type) {
     at_depth = depth;
     at_order = order;
     at_tenant = tenant;
+    at_indexed = indexed;
     Py_RETURN_NONE;
 }
 
@@ -550,17 +550,17 @@ static PyObject *negated_depth(PyObject *depth) {
 }
 
 static PyObject *stamp_run(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "stamp_run() takes 5 arguments");
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "stamp_run() takes 4 arguments");
         return NULL;
     }
-    PyObject *blocks = args[0], *held = args[1], *depths = args[2], *stamp = args[3];
-    if (!PyDict_Check(blocks) || !PyList_Check(held) || !PyList_Check(depths) || !PyLong_Check(stamp) ||
+    PyObject *held = args[0], *depths = args[1], *stamp = args[2];
+    if (!PyList_Check(held) || !PyList_Check(depths) || !PyLong_Check(stamp) ||
         PyList_GET_SIZE(held) != PyList_GET_SIZE(depths)) {
-        PyErr_SetString(PyExc_TypeError, "stamp_run(dict, list, list of as many ints, int, order)");
+        PyErr_SetString(PyExc_TypeError, "stamp_run(list, list of as many ints, int, order)");
         return NULL;
     }
-    long long order = PyLong_AsLongLong(args[4]);
+    long long order = PyLong_AsLongLong(args[3]);
     if (order == -1 && PyErr_Occurred()) {
         return NULL;
     }
@@ -571,9 +571,9 @@ static PyObject *stamp_run(PyObject *Py_UNUSED(self), PyObject *const *args, Py_
         if (!is_block(block) || field_int(block, at_offset, "offset", &offset) < 0) {
             return NULL;
         }
-        if (!PyLong_Check(PyList_GET_ITEM(depths, i)) || FIELD(block, at_key) == NULL ||
-            FIELD(block, at_tenant) == NULL) {
-            PyErr_SetString(PyExc_TypeError, "stamp_run() of a block without a key or tenant, or a depth not an int");
+        if (!PyLong_Check(PyList_GET_ITEM(depths, i)) || FIELD(block, at_tenant) == NULL ||
+            FIELD(block, at_indexed) == NULL) {
+            PyErr_SetString(PyExc_TypeError, "stamp_run() of a block without a tenant or indexed, or a depth not an int");
             return NULL;
         }
     }
@@ -585,12 +585,8 @@ static PyObject *stamp_run(PyObject *Py_UNUSED(self), PyObject *const *args, Py_
     int rising = 1;                         /* every stamped block deeper than the one before it */
     long long last_depth = -1;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *block = PyList_GET_ITEM(held, i), *key = FIELD(block, at_key);
-        PyObject *indexed = PyDict_GetItemWithError(blocks, key); /* borrowed */
-        if (indexed != block) {
-            if (PyErr_Occurred()) {
-                goto fail;
-            }
+        PyObject *block = PyList_GET_ITEM(held, i);
+        if (FIELD(block, at_indexed) != Py_True) {
             continue; /* evicted, cleared or replaced since: a stamp never touches it */
         }
         PyObject *depth = PyList_GET_ITEM(depths, i);
@@ -624,7 +620,7 @@ static PyObject *stamp_run(PyObject *Py_UNUSED(self), PyObject *const *args, Py_
                 }
             }
             PyObject *negative = negated_depth(depth);
-            PyObject *entry = negative ? PyTuple_Pack(4, stamp, negative, at, key) : NULL;
+            PyObject *entry = negative ? PyTuple_Pack(4, stamp, negative, at, block) : NULL;
             Py_XDECREF(negative);
             if (entry == NULL || PyList_Append(list, entry) < 0) {
                 Py_XDECREF(entry);
@@ -659,12 +655,11 @@ fail:
     return NULL;
 }
 
-static PyObject *live_entries(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2 || !PyDict_Check(args[0]) || !PyList_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "live_entries(dict, list)");
+static PyObject *live_entries(PyObject *Py_UNUSED(self), PyObject *heap) {
+    if (!PyList_Check(heap)) {
+        PyErr_SetString(PyExc_TypeError, "live_entries() takes a list");
         return NULL;
     }
-    PyObject *blocks = args[0], *heap = args[1];
     Py_ssize_t n = PyList_GET_SIZE(heap);
     PyObject *live = PyList_New(0);
     if (live == NULL) {
@@ -673,21 +668,15 @@ static PyObject *live_entries(PyObject *Py_UNUSED(self), PyObject *const *args, 
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *entry = PyList_GET_ITEM(heap, i);
         if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 4) {
-            PyErr_SetString(PyExc_TypeError, "a recency entry is a tuple (stamp, -depth, order, key)");
+            PyErr_SetString(PyExc_TypeError, "a recency entry is a tuple (stamp, -depth, order, block)");
             goto fail;
         }
-        PyObject *block = PyDict_GetItemWithError(blocks, PyTuple_GET_ITEM(entry, 3)); /* borrowed */
-        if (block == NULL) {
-            if (PyErr_Occurred()) {
-                goto fail;
-            }
-            continue;
-        }
+        PyObject *block = PyTuple_GET_ITEM(entry, 3);
         long long offset;
         if (!is_block(block) || field_int(block, at_offset, "offset", &offset) < 0) {
             goto fail;
         }
-        if (offset < 0) {
+        if (offset < 0 || FIELD(block, at_indexed) != Py_True) {
             continue;
         }
         int same = PyObject_RichCompareBool(FIELD(block, at_order), PyTuple_GET_ITEM(entry, 2), Py_EQ);
@@ -743,7 +732,7 @@ static PyMethodDef methods[] = {
      "A lease's packed slot map over hashes x shards, appended to three bytearrays."},
     {"stamp_run", (PyCFunction)(void (*)(void))stamp_run, METH_FASTCALL,
      "One use of each still-indexed block: stamp, depth and order set, host blocks' recency entries listed."},
-    {"live_entries", (PyCFunction)(void (*)(void))live_entries, METH_FASTCALL,
+    {"live_entries", live_entries, METH_O,
      "The recency entries still live: their block indexed, on the host tier, of that order."},
     {"unpin_all", unpin_all, METH_O, "One pin less on each block of a list; how many reached 0."},
     {NULL, NULL, 0, NULL},

@@ -122,13 +122,24 @@ class Block:
     order: int = 0  # bumps on every restamp; stale heap entries are skipped
     checksum: bytes | None = None  # the writer's end-to-end checksum (dkv.checksum); None: written without one
     tenant: str = ""  # the credential that wrote it (its quotas pay for it); "" is the cluster credential
+    indexed: bool = False  # in the store's index now (Store._index / _unindex): its recency entries may be live
 
     @property
     def on_host(self) -> bool:
         return self.offset >= 0
 
+    def __lt__(self, other: Block) -> bool:
+        """Never needed: recency entries tie on no ``order`` (each handed out once). Were two to tie, they would
+        compare by this rather than raise inside eviction."""
+        return id(self) < id(other)
+
 
 bind(Block)  # the native lookup run reads and writes a Block's slots directly (dkv.store_runs)
+
+# A recency entry: (stamp, -depth, order, block). Live while the block is indexed, on the host tier and of that
+# order (each restamp gives it a new one); the block itself, not its key, so that telling a live entry from a
+# stale one (stamping, compaction, eviction) reads three fields instead of hashing a key into the index.
+Recency = tuple[int, int, int, Block]
 
 
 @dataclass(slots=True)
@@ -246,7 +257,7 @@ class TenantUsage:
     reserved_bytes: int = 0  # page-aligned bytes of its live reservations
     reserved_keys: int = 0  # keys of its live reservations
     leases: dict[int, None] = field(default_factory=dict)  # its leases, oldest first
-    heap: list[tuple[int, int, int, StoreKey]] = field(default_factory=list)  # (stamp, -depth, order, key)
+    heap: list[Recency] = field(default_factory=list)  # (stamp, -depth, order, block): see Recency
     off_host: dict[StoreKey, None] = field(default_factory=dict)  # its blocks off the host tier, oldest first
 
     def stats(self) -> dict[str, int]:
@@ -459,6 +470,7 @@ class Store:
         """A new block (on the host tier) enters the index, charged to its credential."""
         key = block.key
         self.blocks[key] = block
+        block.indexed = True
         column = self.columns.get(key[:3])
         if column is None:
             column = self.columns[key[:3]] = {}
@@ -472,6 +484,7 @@ class Store:
         """``block`` leaves the index, whatever its tier (the caller frees its slot or its file)."""
         key = block.key
         del self.blocks[key]
+        block.indexed = False
         column = self.columns[key[:3]]
         del column[key.hash]
         if not column:
@@ -1144,7 +1157,7 @@ class Store:
         appended to their heap without a sift: each is at least every entry
         already there, and every parent stays at most its children.
         """
-        self._next_order, by_tenant = stamp_run(self.blocks, held, depths, next(self._stamps), self._next_order)
+        self._next_order, by_tenant = stamp_run(held, depths, next(self._stamps), self._next_order)
         tenants = self._tenants
         for tenant, entries in by_tenant.items():  # (each list sorted already)
             usage = tenants[tenant]
@@ -1165,7 +1178,7 @@ class Store:
     def _push_recency(self, usage: TenantUsage, block: Block) -> None:
         """Enter a host block's current stamp in its credential's recency heap (one heap per credential)."""
         heap = usage.heap
-        heapq.heappush(heap, (block.stamp, -block.depth, block.order, block.key))
+        heapq.heappush(heap, (block.stamp, -block.depth, block.order, block))
         if len(heap) > 2 * usage.host_blocks + HEAP_SLACK:
             self._compact_recency(usage)
 
@@ -1177,7 +1190,7 @@ class Store:
         Amortised O(1) per restamp: a pass over the heap itself (never over
         other credentials' blocks) after at least ``host_blocks`` pushes.
         """
-        usage.heap = live_entries(self.blocks, usage.heap)  # (:mod:`dkv.store_runs`: native where built)
+        usage.heap = live_entries(usage.heap)  # (:mod:`dkv.store_runs`: native where built)
         heapq.heapify(usage.heap)
 
     def recency_entries(self) -> int:
@@ -1250,9 +1263,8 @@ class Store:
         oldest (a pass over the few credentials per pop). Pinned ones are put
         back.
         """
-        blocks = self.blocks
         usages = (usage,) if usage is not None else self._tenants.values()
-        skipped: list[tuple[TenantUsage, tuple[int, int, int, StoreKey]]] = []
+        skipped: list[tuple[TenantUsage, Recency]] = []
         victim = None
         while True:
             best: TenantUsage | None = None
@@ -1260,8 +1272,8 @@ class Store:
                 heap = candidate.heap
                 while heap:  # drop stale tops: evicted, dropped or restamped since
                     top = heap[0]
-                    block = blocks.get(top[3])
-                    if block is not None and block.order == top[2] and block.on_host:
+                    block = top[3]
+                    if block.indexed and block.order == top[2] and block.offset >= 0:
                         break
                     heapq.heappop(heap)
                 if heap and (best is None or heap[0] < best.heap[0]):
@@ -1269,7 +1281,7 @@ class Store:
             if best is None:
                 break
             entry = heapq.heappop(best.heap)
-            block = blocks[entry[3]]
+            block = entry[3]
             if self._pinned(block):
                 skipped.append((best, entry))
                 continue

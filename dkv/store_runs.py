@@ -40,20 +40,19 @@ lease's pins back. Contract, for both builds:
   checksum or lies off the host tier, ``(-1, 0, zeros)``. Nothing changes.
 * ``unpin_all(held) -> int``: one pin less on each block listed (twice listed:
   two less); how many reached 0.
-* ``stamp_run(blocks, held, depths, stamp, order) -> (order, entries)``: one
-  use of each block of the list ``held`` that ``blocks`` (the store's index)
-  still holds as that very object, in order: its ``stamp``, its depth
-  (``depths[i]``, a list as long) and the next ``order`` (``order``,
-  ``order + 1``, ...); a block on the host tier also gets its recency entry
-  ``(stamp, -depth, order, key)`` in ``entries[block.tenant]`` (a new dict of
-  lists, each sorted ascending). A block no longer indexed (evicted, cleared,
-  replaced) is skipped: a stamp never brings one back. Returns the next order
-  to give with the entries. (The store's recency stamping,
-  :meth:`dkv.store.Store._stamp_blocks`: 256 blocks took ~70 µs in Python,
-  most of a same-host load's node work.)
-* ``live_entries(blocks, heap) -> list``: the recency entries of the list
-  ``heap`` still live, in order: their key indexed as a block of that very
-  ``order`` on the host tier (:meth:`dkv.store.Store._compact_recency`).
+* ``stamp_run(held, depths, stamp, order) -> (order, entries)``: one use of
+  each block of the list ``held`` still in the store's index (its
+  ``indexed``), in order: its ``stamp``, its depth (``depths[i]``, a list as
+  long) and the next ``order`` (``order``, ``order + 1``, ...); a block on the
+  host tier also gets its recency entry ``(stamp, -depth, order, block)`` in
+  ``entries[block.tenant]`` (a new dict of lists, each sorted ascending). A
+  block no longer indexed (evicted, cleared, replaced) is skipped: a stamp
+  never brings one back. Returns the next order to give with the entries.
+  (The store's recency stamping, :meth:`dkv.store.Store._stamp_blocks`: 256
+  blocks took ~70 µs in Python, most of a same-host load's node work.)
+* ``live_entries(heap) -> list``: the recency entries of the list ``heap``
+  still live, in order: their block indexed, on the host tier and of that
+  very ``order`` (:meth:`dkv.store.Store._compact_recency`).
 
 The native build (``dkv._store_index``, built at install where a C compiler is
 present) reads and writes a :class:`dkv.store.Block`'s slots directly, learned
@@ -183,26 +182,26 @@ def unpin_all_python(held: list) -> int:
     return reached
 
 
-def stamp_run_python(blocks: dict, held: list, depths: list, stamp: int,
+def stamp_run_python(held: list, depths: list, stamp: int,
                      order: int) -> tuple[int, dict[str, list[tuple[int, int, int, Any]]]]:
     """The Python twin of the native ``stamp_run``."""
     entries: dict[str, list[tuple[int, int, int, Any]]] = {}
     for block, depth in zip(held, depths, strict=True):
-        if blocks.get(block.key) is not block:
+        if not block.indexed:
             continue
         block.stamp, block.depth, block.order = stamp, depth, order
         if block.offset >= 0:
-            entries.setdefault(block.tenant, []).append((stamp, -depth, order, block.key))
+            entries.setdefault(block.tenant, []).append((stamp, -depth, order, block))
         order += 1
     for made in entries.values():
         made.sort()
     return order, entries
 
 
-def live_entries_python(blocks: dict, heap: list[tuple[int, int, int, Any]]) -> list[tuple[int, int, int, Any]]:
+def live_entries_python(heap: list[tuple[int, int, int, Any]]) -> list[tuple[int, int, int, Any]]:
     """The Python twin of the native ``live_entries``."""
     return [entry for entry in heap
-            if (block := blocks.get(entry[3])) is not None and block.offset >= 0 and block.order == entry[2]]
+            if (block := entry[3]).indexed and block.offset >= 0 and block.order == entry[2]]
 
 
 _native: Any = None
@@ -217,8 +216,8 @@ pin_run: PinRun = _native.pin_run if NATIVE else pin_run_python
 pin_run_shards: Callable[..., int] = _native.pin_run_shards if NATIVE else pin_run_shards_python
 slot_map: Callable[..., None] = _native.slot_map if NATIVE else slot_map_python
 unpin_all: Callable[[list], int] = _native.unpin_all if NATIVE else unpin_all_python
-stamp_run: Callable[..., int] = _native.stamp_run if NATIVE else stamp_run_python
-live_entries: Callable[[dict, list], list] = _native.live_entries if NATIVE else live_entries_python
+stamp_run: Callable[..., tuple[int, dict]] = _native.stamp_run if NATIVE else stamp_run_python
+live_entries: Callable[[list], list] = _native.live_entries if NATIVE else live_entries_python
 
 
 def bind(block_type: type) -> None:

@@ -326,11 +326,12 @@ class StoreMachine(RuleBasedStateMachine):
             heap = usage.heap
             for child in range(1, len(heap)):
                 assert heap[(child - 1) // 2] <= heap[child], f"recency heap order broken at entry {child}"
-            for _, _, order, key in heap:
-                block = self.store.blocks.get(key)
-                if block is not None and block.on_host and block.order == order:
-                    live[key] = live.get(key, 0) + 1
+            for _, _, order, block in heap:
+                assert block.indexed == (self.store.blocks.get(block.key) is block), "a block's indexed flag is wrong"
+                if block.indexed and block.on_host and block.order == order:
+                    live[block.key] = live.get(block.key, 0) + 1
         assert live == {key: 1 for key, block in self.store.blocks.items() if block.on_host}
+        assert all(block.indexed for block in self.store.blocks.values())
 
     @invariant()
     def pool_accounting_is_exact_and_no_slot_is_handed_out_twice(self) -> None:

@@ -137,6 +137,14 @@ def test_a_use_larger_than_its_recency_heap_keeps_it_a_heap_and_evicts_deepest_f
     assert store._next_victim() is store.blocks[held[1]]  # the deeper of the two, at its last (deepest) place
 
 
+def test_recency_entries_that_tied_on_their_order_would_still_compare(store: Store) -> None:
+    """Entries hold their blocks; orders never repeat, but were two to tie, eviction must not raise comparing blocks."""
+    a, b = keys(chain(2, b"t"))
+    put(store, [a, b])
+    first, second = store.blocks[a], store.blocks[b]
+    assert ((1, 0, 5, first) < (1, 0, 5, second)) != ((1, 0, 5, second) < (1, 0, 5, first))
+
+
 def test_expiry_book_holds_only_what_may_still_expire(store: Store, clock: Clock) -> None:
     held = keys(chain(2, b"e"))
     put(store, held)

@@ -259,57 +259,59 @@ def test_both_twins_stamp_alike_over_any_store(specs: list, picks: list[int], de
     made = _blocks(specs)
     for i, block in enumerate(made.values()):
         block.tenant = tenants[i]
+        block.indexed = i not in gone  # (gone: evicted, cleared or replaced since)
     objects = list(made.values())
     held = [objects[i] for i in picks if i < len(objects)]  # repeats stamp twice, as the Python loop did
-    index = {key: block for i, (key, block) in enumerate(made.items()) if i not in gone}
-    for i, key in enumerate(made):
-        if i in gone and i % 2:  # replaced by another block of the same key: not the one held
-            index[key] = Block(key, 1, 0)
     twin_objects = copy.deepcopy(objects)
     twin_of = {id(a): b for a, b in zip(objects, twin_objects)}
     twin_held = [twin_of[id(b)] for b in held]
-    twin_index = {key: twin_of.get(id(block), block) for key, block in index.items()}
-    native_next, entries = store_runs.stamp_run(index, held, depths[:len(held)], 99, order)
-    python_next, twin_entries = store_runs.stamp_run_python(twin_index, twin_held, depths[:len(held)], 99, order)
+    native_next, entries = store_runs.stamp_run(held, depths[:len(held)], 99, order)
+    python_next, twin_entries = store_runs.stamp_run_python(twin_held, depths[:len(held)], 99, order)
     assert native_next == python_next
-    assert entries == twin_entries
+    assert entries == twin_entries  # (blocks compared field by field: each twin's own)
     assert all(made == sorted(made) for made in entries.values())  # (appended to a heap as they come)
     assert [(b.stamp, b.depth, b.order) for b in objects] == [(b.stamp, b.depth, b.order) for b in twin_objects]
-    stamped = [b for b in held if index.get(b.key) is b]
+    stamped = [b for b in held if b.indexed]
     assert native_next == order + len(stamped)
-    assert all(b.stamp == 0 for b in objects if index.get(b.key) is not b)  # never indexed now: never stamped
+    assert all(b.stamp == 0 for b in objects if not b.indexed)  # not in the index: never stamped
     assert sum(map(len, entries.values())) == sum(1 for b in stamped if b.offset >= 0)
+    assert all(entry[3] in stamped for made in entries.values() for entry in made)  # the blocks themselves
 
 
 @native
 @settings(max_examples=200, deadline=None)
 @given(specs=block_specs, entries=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 3)), max_size=40))
 def test_both_twins_keep_the_same_live_recency_entries(specs: list, entries: list[tuple[int, int]]) -> None:
-    blocks = _blocks(specs)
-    for i, block in enumerate(blocks.values()):
-        block.order = i % 4
-    heap = [(7, -i, order, StoreKey(NS, LEAF, 0, _hash(i))) for i, order in entries]
-    live = store_runs.live_entries(blocks, heap)
-    assert live == store_runs.live_entries_python(blocks, heap)
-    assert all(blocks[e[3]].offset >= 0 and blocks[e[3]].order == e[2] for e in live)
+    blocks = list(_blocks(specs).values())
+    for i, block in enumerate(blocks):
+        block.order, block.indexed = i % 4, i % 3 != 2
+    heap = [(7, -i, order, blocks[i]) for i, order in entries if i < len(blocks)]
+    live = store_runs.live_entries(heap)
+    assert live == store_runs.live_entries_python(heap)
+    assert all(e[3].indexed and e[3].offset >= 0 and e[3].order == e[2] for e in live)
+    assert len(heap) - len(live) == sum(1 for e in heap if not (e[3].indexed and e[3].offset >= 0
+                                                                  and e[3].order == e[2]))
 
 
 @native
 def test_stamp_run_checks_every_entry_before_it_stamps_any() -> None:
     blocks = _blocks([(0, 10, 0, True), (4096, 10, 0, True)])
     held = list(blocks.values())
-    for bad in ([held[0], "not a block"], ):
-        with pytest.raises(TypeError):
-            store_runs.stamp_run(blocks, bad, [1, 2], 5, 1)
+    for block in held:
+        block.indexed = True
     with pytest.raises(TypeError):
-        store_runs.stamp_run(blocks, held, [1, "two"], 5, 1)
+        store_runs.stamp_run([held[0], "not a block"], [1, 2], 5, 1)
     with pytest.raises(TypeError):
-        store_runs.stamp_run(blocks, held, [1], 5, 1)  # a depth short
+        store_runs.stamp_run(held, [1, "two"], 5, 1)
     with pytest.raises(TypeError):
-        store_runs.stamp_run(blocks, tuple(held), [1, 2], 5, 1)  # not a list
+        store_runs.stamp_run(held, [1], 5, 1)  # a depth short
+    with pytest.raises(TypeError):
+        store_runs.stamp_run(tuple(held), [1, 2], 5, 1)  # not a list
     assert _stamped(blocks) == [(0, 0, 0), (0, 0, 0)]
     with pytest.raises(TypeError):
-        store_runs.live_entries(blocks, [(1, 2, 3)])  # not an entry
+        store_runs.live_entries([(1, 2, 3)])  # not an entry
+    with pytest.raises(TypeError):
+        store_runs.live_entries([(1, 2, 3, "not a block")])
 
 
 @native
