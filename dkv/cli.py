@@ -19,6 +19,7 @@ from rich.table import Table
 
 from dkv.errors import ConfigError, DKVError
 from dkv.event_loop import run as run_loop
+from dkv.stay_awake import DEFAULT_BOUND as STAY_AWAKE_BOUND
 from dkv.units import format_size, parse_address, parse_size
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="dKV: distributed KV-cache store for LLM serving.")
@@ -160,6 +161,7 @@ def serve(
     idle_timeout: Annotated[float, typer.Option(help="Seconds a connection may sit idle; then it is closed once it holds nothing live (clients reconnect by themselves).")] = 60.0,
     max_cost: Annotated[int, typer.Option(help="Hashes x leaves x shards one lookup, probe or touch may cost; more is refused (clients split unleased ones).")] = 16384,
     max_lookup_payload: Annotated[str, typer.Option(help="Block bytes a leased lookup's answer may carry for a client that asks (its load then needs no round trip); 0: never.")] = "1MiB",
+    stay_awake_us: Annotated[int, typer.Option(help="Microseconds the node keeps polling for the next request after one that came back to back (a sleeping node's wake-up costs that much on a VM); 0: never.")] = round(STAY_AWAKE_BOUND * 1e6),
     peer_control_port: Annotated[str, typer.Option(help="TCP port, on the --listen host, of the control socket clients on other hosts send their control requests to (lookups, releases; lookups on their calling thread too). 0: a free one, announced in the handshake; off: none (they use UCX).")] = "0",
     etcd: Annotated[Optional[str], typer.Option(help="etcd endpoints URL[,URL...]: join a cluster (membership + directory).")] = None,
     cluster: Annotated[str, typer.Option(help="Cluster name (etcd keys live under PREFIX/CLUSTER/).")] = "default",
@@ -202,6 +204,7 @@ def serve(
             idle_timeout=idle_timeout,
             max_cost=max_cost,
             max_lookup_payload=parse_size(max_lookup_payload),
+            stay_awake=stay_awake_us / 1e6,
             peer_control_port=_peer_control_port(peer_control_port),
             **({"node_id": node_id} if node_id else {}),
         )

@@ -35,6 +35,9 @@ from dkv.credentials import CLUSTER, Credential, Credentials, LocalCredential, Q
 from dkv.disk_tier import DiskTier
 from dkv.disk_worker import DiskWorker
 from dkv.handover import HandoverServer
+from dkv.stay_awake import DEFAULT_BOUND as STAY_AWAKE_BOUND
+from dkv.stay_awake import MAX_BOUND as MAX_STAY_AWAKE
+from dkv.stay_awake import StayAwake
 from dkv.stream_channel import LocalListener, StreamConnection, TcpListener
 from dkv.errors import ConfigError, DKVError, ProtocolError, RemoteError, TransportError
 from dkv.event_loop import loop_kind
@@ -139,6 +142,8 @@ class NodeConfig:
     # the TCP control socket for clients on other hosts (dkv.stream_channel), on ``host``; 0: a free port, None: none
     peer_control_port: int | None = 0
     verify_writes: bool = True  # check each written block's declared checksum before it becomes visible
+    # seconds the event loop keeps polling after a request that came back to back (dkv.stay_awake); 0: never
+    stay_awake: float = STAY_AWAKE_BOUND
 
     def validate(self) -> None:
         if self.token is None and not is_loopback(self.host):
@@ -172,6 +177,9 @@ class NodeConfig:
             raise ConfigError(f"max_lookup_payload must not be negative, not {self.max_lookup_payload}")
         if self.peer_control_port is not None and not 0 <= self.peer_control_port <= 65535:
             raise ConfigError(f"peer_control_port must be a TCP port (0: a free one), not {self.peer_control_port}")
+        if not 0 <= self.stay_awake <= MAX_STAY_AWAKE:
+            raise ConfigError(f"stay_awake must be from 0 to {MAX_STAY_AWAKE} s (--stay-awake-us 0 to "
+                              f"{round(MAX_STAY_AWAKE * 1e6)}), not {self.stay_awake} s")
         if self.max_cost < MAX_TP_SHARDS:
             raise ConfigError(f"max_cost must be at least {MAX_TP_SHARDS} (one hash of one leaf with every shard)")
 
@@ -261,6 +269,7 @@ class NodeServer:
                                                    "out": {"local": 0, "listener": 0}}
         # called with (op, seconds) after each request once metrics are on (dkv.metrics); None: nothing timed
         self.observe_request: Callable[[str, float], None] | None = None
+        self._awake = StayAwake(config.stay_awake)  # the loop kept polling between back-to-back requests
 
     @property
     def node_id(self) -> str:
@@ -325,6 +334,7 @@ class NodeServer:
         if self._closed:
             return
         self._closed = True
+        self._awake.close()
         if self.presence is not None:
             await self.presence.stop()
         if self._listener is not None:
@@ -403,7 +413,9 @@ class NodeServer:
                 peer.in_op, peer.idle_since = False, time.monotonic()
                 request = await conn.recv_message(wait)
                 peer.in_op = True
+                self._awake.arrived()
                 await self._handle(peer, request)
+                self._awake.served()
         except ProtocolError as exc:
             self._count_error("protocol")
             log.info("closing %s: %s", conn.peer, exc)
@@ -1032,6 +1044,8 @@ class NodeServer:
             "uptime_s": round(time.time() - self.started_at, 3),
             "protocol_version": PROTOCOL_VERSION,
             "runtime": dict(self.runtime),  # the event loop it runs on and UCX's progress mode (dkv.event_loop)
+            # its loop kept polling after back-to-back requests (dkv.stay_awake): the bound, and the turns polled
+            "stay_awake": {"bound_us": round(self._awake.bound * 1e6), "polls": self._awake.polls},
             "host": {"free": host_free, "total": host_total, "used": host_total - host_free,
                      "segments": self.arena.segments, "free_resident": self.arena.resident_free,
                      "trims": self.arena.trims},
