@@ -21,8 +21,8 @@ class Clock:
         return self.now
 
 
-async def _turns(awake: StayAwake, clock: Clock, turns: int) -> None:
-    """Let the loop turn ``turns`` times, the clock standing still."""
+async def _turns(turns: int) -> None:
+    """Let the loop turn ``turns`` times (the tests' clock stands still meanwhile)."""
     for _ in range(turns):
         await asyncio.sleep(0)
 
@@ -38,16 +38,16 @@ async def test_only_a_request_that_came_back_to_back_keeps_the_loop_polling_and_
     clock.now += 20e-6
     awake.served()
     assert awake.polling
-    await _turns(awake, clock, 5)
+    await _turns(5)
     assert awake.polling and awake.polls >= 4  # it polled while the clock stood within the bound
     clock.now += 301e-6  # past the bound after the last request served
-    await _turns(awake, clock, 3)
+    await _turns(3)
     assert not awake.polling
     polled = awake.polls
     clock.now += 5e-3
     awake.arrived()  # 5 ms after: not back to back (a batch load's next lookup, an idle node's first)
     awake.served()
-    await _turns(awake, clock, 3)
+    await _turns(3)
     assert not awake.polling and awake.polls == polled
 
 
@@ -59,7 +59,7 @@ async def test_each_request_served_moves_the_end_on() -> None:
         clock.now += 200e-6
         awake.arrived()
         awake.served()
-        await _turns(awake, clock, 2)
+        await _turns(2)
         assert awake.polling
 
 
@@ -69,7 +69,7 @@ async def test_a_zero_bound_never_polls_and_close_ends_the_polling() -> None:
     for _ in range(3):
         never.arrived()
         never.served()
-    await _turns(never, clock, 3)
+    await _turns(3)
     assert not never.polling and never.polls == 0
     awake = StayAwake(300e-6, clock)
     awake.served()
@@ -77,7 +77,7 @@ async def test_a_zero_bound_never_polls_and_close_ends_the_polling() -> None:
     awake.served()
     assert awake.polling
     awake.close()
-    await _turns(awake, clock, 2)
+    await _turns(2)
     assert not awake.polling
 
 
