@@ -45,7 +45,8 @@ import numpy as np
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
 from dkv.arena import SegmentMapping, align_up
-from dkv.checksum import CHECKSUM_SIZE, block_checksum, block_head, block_prefixes, is_checksum, verify_prefixed
+from dkv.checksum import (CHECKSUM_SIZE, all_checksums, block_checksum, block_head, block_prefixes, is_checksum,
+                          verify_prefixed)
 from dkv.checksum import verify as checksum_matches
 from dkv.copy_threads import ChunkedCopy, PostedCopy
 from dkv.credentials import read_local_credential
@@ -916,7 +917,7 @@ class NodeClient:
         count = len(places) * shards
         if (lease_id is None or not places or not isinstance(sizes, list) or not isinstance(sums, list)
                 or len(sizes) != count or len(sums) != count or not _byte_counts(sizes)
-                or not all(map(is_checksum, sums)) or sum(sizes) > message.get("send", 0)
+                or not all_checksums(sums) or sum(sizes) > message.get("send", 0)
                 or (trailing is not None and len(trailing) != sum(sizes))):
             session.conn.abort()
             raise ProtocolError("a lookup's answer names blocks it sends that do not match the request")
@@ -1232,18 +1233,19 @@ class NodeClient:
         if not self.checksums or not count or not self._fits_without_estimate(count):
             raise ChannelBusy("this read is not one for a direct channel: read it the usual way")
         direct, channel = self._free_direct()
-        wire_keys = [[run.leaf, run.shard, h] for run in runs for h in run.hashes]
         with self._lock:
             looked_up = self._lease_hashes.get(lease_id)
-        places = _places(wire_keys, *looked_up) if looked_up is not None else None
+        places = _run_places(runs, *looked_up) if looked_up is not None else None
         named = ({"runs": places} if places is not None and FEATURE_READ_RUNS in direct.info.features
-                 else {"keys": wire_keys})
+                 else {"keys": _run_wire_keys(runs)})
         message: dict[str, Any] = {"op": "read", "lease": lease_id, **named, "end": True, "shm": False}
         ends = self._take_ends()
         if ends:
             message["ends"] = ends
         unsummed = [0]  # blocks the node named no checksum for (they fail)
-        rows_bytes = [run.row_bytes for run in runs for _ in run.hashes]  # each block's size, in the stream's order
+        rows_bytes: list[int] = []  # each block's size, in the stream's order
+        for run in runs:
+            rows_bytes += [run.row_bytes] * len(run.hashes)
 
         def expect(reply: dict[str, Any]) -> tuple[list[RowsTarget], bytes] | None:
             if reply.get("ok") is False:
@@ -1256,8 +1258,11 @@ class NodeClient:
             if answered is not None:
                 answered()
             named = _sums_for(reply.get("sums"), count)
-            unsummed[0] = sum(1 for s in named if not is_checksum(s))
-            sums = b"".join(s if is_checksum(s) else _NO_CHECKSUM for s in named)
+            if all_checksums(named):  # (a node's usual answer: checked in C-speed passes)
+                sums = b"".join(named)
+            else:
+                unsummed[0] = sum(1 for s in named if not is_checksum(s))
+                sums = b"".join(s if is_checksum(s) else _NO_CHECKSUM for s in named)
             return [RowsTarget(run.rows, run.row_bytes, run.ids,
                                block_head(run.leaf, run.shard, run.row_bytes, len(run.hashes[0])), run.hashes)
                     for run in runs if run.hashes], sums
@@ -1281,8 +1286,8 @@ class NodeClient:
         _check_reply(reply)
         if verdicts is None or verdicts.count(0):  # (None: an ok reply is always followed by its blocks)
             first = verdicts.index(0) if verdicts is not None else 0
-            raise self._mismatch(wire_keys[first], verdicts.count(0) if verdicts is not None else count, count,
-                                 unsummed[0])
+            raise self._mismatch(_run_wire_keys(runs)[first], verdicts.count(0) if verdicts is not None else count,
+                                 count, unsummed[0])
 
     def _direct_failed(self, asked: _DirectLookup, exc: BaseException) -> None:
         """A direct lookup's exchange failed with ``exc``: ends the node never saw go back in the queue."""
@@ -1968,6 +1973,39 @@ def _places(wire_keys: Sequence[Any], looked_up: Sequence[bytes], shards: int) -
         else:
             runs.append([leaf, shard, depth, depth + 1])
     return runs
+
+
+def _run_wire_keys(runs: Sequence[RowRun]) -> list[list[Any]]:
+    """Each block of ``runs`` as the wire names a key, ``[leaf, shard, hash]``, in the stream's order."""
+    return [[run.leaf, run.shard, h] for run in runs for h in run.hashes]
+
+
+def _run_places(runs: Sequence[RowRun], looked_up: Sequence[bytes], shards: int) -> list[list[Any]] | None:
+    """:func:`_places` of ``runs``' blocks, without a key list where each run is a stretch of the lookup's hashes.
+
+    A load's usual shape (its hashes a stretch of its lookup's, one shard) is
+    one place run a row run, found with C-speed passes over the hashes;
+    anything else goes the way of :func:`_places` (the same answer).
+    """
+    if shards == 1:
+        places: list[list[Any]] = []
+        for run in runs:
+            hashes = run.hashes
+            if not hashes:
+                continue
+            try:
+                first = looked_up.index(hashes[0])
+            except ValueError:
+                return None
+            if looked_up[first:first + len(hashes)] != hashes:
+                break
+            if places and places[-1][0] == run.leaf and places[-1][1] == run.shard and places[-1][3] == first:
+                places[-1][3] = first + len(hashes)
+            else:
+                places.append([run.leaf, run.shard, first, first + len(hashes)])
+        else:
+            return places or None
+    return _places(_run_wire_keys(runs), looked_up, shards)
 
 
 def _wire_keys(keys: Sequence[BlockKey]) -> list[Any]:

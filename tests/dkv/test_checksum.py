@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from dkv.checksum import CHECKSUM_SIZE, block_checksum, block_prefix, block_prefixes, verify, verify_prefixed
+from dkv.checksum import (CHECKSUM_SIZE, all_checksums, block_checksum, block_prefix, block_prefixes, is_checksum, verify,
+                          verify_prefixed)
 from dkv.errors import ProtocolError
 from dkv.wire import check_request
 
@@ -144,3 +145,18 @@ def test_a_prefixed_check_answers_as_verify_does_for_every_block_of_a_run() -> N
     # a block checked under another block's prefix (another key, or another length) never verifies
     assert not verify_prefixed(prefixes[1], memoryview(blocks[0]), sums[0])
     assert not verify_prefixed(prefixes[0], memoryview(blocks[0])[:-1], sums[0])
+
+
+class _Bytes(bytes):
+    pass
+
+
+@pytest.mark.parametrize("values", [
+    [], [bytes(16)], [bytes(16)] * 256, [bytes(16), bytes(15)], [bytes(17)], [None], [bytes(16), None],
+    [bytearray(16)], [memoryview(bytes(16))], [_Bytes(bytes(16))], ["x" * 16], [bytes(16), "x" * 16], [16],
+    [bytes(8), bytes(24)], [[bytes(16)]],
+], ids=repr)
+def test_all_checksums_answers_as_is_checksum_of_each_does(values: list) -> None:
+    """The C-speed check of a read's checksums agrees with the per-item one (a bytes subclass aside: refused)."""
+    expected = all(is_checksum(v) and type(v) is bytes for v in values)
+    assert all_checksums(values) is expected

@@ -1,7 +1,7 @@
 """A read named by runs of places in its lease's lookup reads exactly what the same keys read.
 
 Store logic, with the client's own translation of keys into runs
-(``dkv.client._places``): for any lookup (one or two leaves, one or two
+(``dkv.client._places``, and ``_run_places`` of a load's row runs): for any lookup (one or two leaves, one or two
 shards, absent hashes, a hash named twice) and any choice of the blocks it
 found, in any order, the read by runs pins and returns the same blocks as
 the read by keys. A place the lease does not hold is refused as an
@@ -20,8 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dkv.arena import Arena
-from dkv.client import _places
+from dkv.client import _places, _run_places
 from dkv.errors import LeaseExpired
+from dkv.lease_slots import RowRun
 from dkv.store import Store, StoreKey
 from tests.dkv.conftest import Clock
 from tests.dkv.test_store import BLOCK, NS, chain, keys, put
@@ -39,6 +40,17 @@ def big_store() -> Iterator[Store]:
 
 def _plan(read) -> list[tuple[int, int, bytes | None]]:
     return list(zip(read.offsets, read.sizes, read.checksums))
+
+
+def _row_runs(wanted: list[tuple[str, int, bytes]]) -> list[RowRun]:
+    """``wanted`` as a load's row runs: each stretch of one leaf and shard one run (rows and ids play no part)."""
+    runs: list[RowRun] = []
+    for leaf, shard, block_hash in wanted:
+        if runs and (runs[-1].leaf, runs[-1].shard) == (leaf, shard):
+            runs[-1].hashes.append(block_hash)
+        else:
+            runs.append(RowRun(leaf, shard, [block_hash], [], bytearray(BLOCK), BLOCK))
+    return runs
 
 
 @settings(max_examples=examples(150), deadline=None)
@@ -71,7 +83,12 @@ def test_a_read_by_runs_reads_exactly_what_the_same_keys_read(data: st.DataObjec
         by_keys = store.begin_read(lease.lease_id, "c", [StoreKey(NS, *k) for k in wanted], reader="r")
         by_runs = store.begin_read(lease.lease_id, "c", runs=runs, reader="r")
         assert _plan(by_runs) == _plan(by_keys)
+        row_runs = _run_places(_row_runs(wanted), hashes, shards)  # (a direct read's: from its rows' runs)
+        assert row_runs is not None
+        by_row_runs = store.begin_read(lease.lease_id, "c", runs=row_runs, reader="r")
+        assert _plan(by_row_runs) == _plan(by_keys)
         assert store.end_read(by_runs.read_id) and store.end_read(by_keys.read_id)
+        assert store.end_read(by_row_runs.read_id)
     finally:
         arena.close()
 
@@ -86,6 +103,23 @@ def test_keys_of_one_leaf_and_shard_at_consecutive_places_are_one_run(shards: in
     assert _places([("L", 0, b"\xff" * 8)], hashes, shards) is None  # not looked up: the read names its keys
     assert _places([("L", 0, hashes[0]), ("L", 0, b"\xff" * 8)], hashes, shards) is None
     assert _places([], hashes, shards) is None
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_loads_row_runs_that_are_stretches_of_its_lookup_are_one_place_run_each(shards: int) -> None:
+    hashes = chain(8, b"r")
+    stretch = _row_runs([("L", 0, h) for h in hashes[2:6]])
+    assert _run_places(stretch, hashes, shards) == [["L", 0, 2, 6]]
+    two_leaves = _row_runs([("L", 0, h) for h in hashes[:3]] + [("M", 0, h) for h in hashes[:3]])
+    assert _run_places(two_leaves, hashes, shards) == [["L", 0, 0, 3], ["M", 0, 0, 3]]
+    back_to_back = _row_runs([("L", 0, h) for h in hashes[:3]])
+    back_to_back.append(RowRun("L", 0, hashes[3:5], [], bytearray(BLOCK), BLOCK))  # one leaf in two row runs
+    assert _run_places(back_to_back, hashes, shards) == [["L", 0, 0, 5]]
+    out_of_order = _row_runs([("L", 0, hashes[4]), ("L", 0, hashes[3])])
+    assert _run_places(out_of_order, hashes, shards) == [["L", 0, 4, 5], ["L", 0, 3, 4]]
+    assert _run_places(_row_runs([("L", 0, b"\xff" * 8)]), hashes, shards) is None  # not looked up
+    assert _run_places(_row_runs([("L", 0, hashes[0]), ("L", 0, b"\xff" * 8)]), hashes, shards) is None
+    assert _run_places([], hashes, shards) is None
 
 
 def test_a_hash_named_twice_goes_to_a_place_the_node_holds_it_at() -> None:
