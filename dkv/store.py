@@ -851,8 +851,7 @@ class Store:
         if read is None:
             return False
         self._owner_reads.get(read.owner, {}).pop(read_id, None)
-        for block in read.blocks:  # pinned, so still indexed: no key is looked up (as a lease ends)
-            self._unpin(block)
+        self._unpin_blocks(read.blocks)  # pinned, so still indexed: no key is looked up (as a lease ends)
         return True
 
     def reads_of(self, owner: str) -> int:
@@ -867,11 +866,6 @@ class Store:
         if block.pins == 0:
             self.pinned_blocks += 1
         block.pins += 1
-
-    def _unpin(self, block: Block) -> None:
-        block.pins -= 1
-        if block.pins == 0:
-            self.pinned_blocks -= 1
 
     def _pinned(self, block: Block) -> bool:
         return block.pins > 0
