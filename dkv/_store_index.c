@@ -4,7 +4,7 @@
  *
  *   Learns where ``offset``, ``size``, ``pins`` and ``checksum`` lie in instances of ``block_type``
  *   (dkv.store.Block, a slots dataclass: each field is a member descriptor of type T_OBJECT_EX).
- *   Must be called once before pin_run / unpin_all; only instances of exactly that type are accepted.
+ *   Must be called once before pin_run / pin_all / unpin_all; only instances of exactly that type are accepted.
  *
  * pin_run(column, hashes, start, mask, held, depths, tally, offsets, sizes, sums) -> int
  *
@@ -58,6 +58,11 @@
  *
  *   One pin less on each block of the list ``held`` (a block listed twice loses two); returns how many
  *   reached 0. Every entry is checked to be a block holding a pin before any is changed.
+ *
+ * pin_all(held) -> int
+ *
+ *   One pin more on each block of the list ``held`` (a block listed twice gains two); returns how many
+ *   went from 0 to pinned. Every entry is checked to be a block before any is changed.
  *
  * On valid input these do exactly what their Python twins in dkv.store_runs do; the tests run both over
  * the same stores and compare every output and every block's pins.
@@ -722,6 +727,38 @@ static PyObject *unpin_all(PyObject *Py_UNUSED(self), PyObject *held) {
     return PyLong_FromSsize_t(reached);
 }
 
+static PyObject *pin_all(PyObject *Py_UNUSED(self), PyObject *held) {
+    if (!PyList_Check(held)) {
+        PyErr_SetString(PyExc_TypeError, "pin_all() takes a list of blocks");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(held), reached = 0;
+    for (Py_ssize_t i = 0; i < n; i++) { /* check every entry before changing any */
+        long long pins;
+        PyObject *block = PyList_GET_ITEM(held, i);
+        if (!is_block(block) || field_int(block, at_pins, "pins", &pins) < 0) {
+            return NULL;
+        }
+        if (pins < 0) {
+            PyErr_SetString(PyExc_ValueError, "pin_all() of a block with a negative pin count");
+            return NULL;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *block = PyList_GET_ITEM(held, i);
+        long long pins = PyLong_AsLongLong(FIELD(block, at_pins)); /* re-read: a block may be listed twice */
+        PyObject *more = PyLong_FromLongLong(pins + 1);
+        if (more == NULL) {
+            return NULL;
+        }
+        Py_SETREF(FIELD(block, at_pins), more);
+        if (pins == 0) {
+            reached++;
+        }
+    }
+    return PyLong_FromSsize_t(reached);
+}
+
 static PyMethodDef methods[] = {
     {"bind", bind, METH_O, "Learn where a block type's fields lie (call once, before the others)."},
     {"pin_run", (PyCFunction)(void (*)(void))pin_run, METH_FASTCALL,
@@ -735,6 +772,7 @@ static PyMethodDef methods[] = {
     {"live_entries", live_entries, METH_O,
      "The recency entries still live: their block indexed, on the host tier, of that order."},
     {"unpin_all", unpin_all, METH_O, "One pin less on each block of a list; how many reached 0."},
+    {"pin_all", pin_all, METH_O, "One pin more on each block of a list; how many went from 0 to pinned."},
     {NULL, NULL, 0, NULL},
 };
 

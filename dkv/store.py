@@ -74,7 +74,8 @@ from dkv.disk_tier import MISSING, DiskEntry, DiskTier, fault_of
 from dkv.credentials import Quotas
 from dkv.errors import LeaseExpired, NodeBusy, WriteRejected
 from dkv.spill import DEFAULT_STAGING_BYTES, SpillJob, Staging
-from dkv.store_runs import bind, pin_run, pin_run_shards, live_entries, slot_entry, slot_map, stamp_run, unpin_all
+from dkv.store_runs import (bind, live_entries, pin_all, pin_run, pin_run_shards, slot_entry, slot_map, stamp_run,
+                             unpin_all)
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,8 @@ class StoreKey(NamedTuple):
 
 TIER_ABSENT, TIER_HOST, TIER_DISK = 0, 1, 2  # where a block lies (:meth:`Store.tiers`)
 _SIZE = operator.attrgetter("size")
+_OFFSET = operator.attrgetter("offset")
+_CHECKSUM = operator.attrgetter("checksum")
 
 
 @dataclass(slots=True)
@@ -789,8 +792,7 @@ class Store:
         distinct = at if len(set(at)) == len(at) else list(dict.fromkeys(at))
         blocks, depths = lease.blocks, lease.depths
         held = list(map(blocks.__getitem__, distinct))  # (a lease's blocks stay indexed while it holds them)
-        for block in held:
-            self._pin(block)
+        self.pinned_blocks += pin_all(held)
         owner = reader if reader is not None else lease_owner
         read = self._open_read(owner, held)
         picked = held if distinct is at else list(map(blocks.__getitem__, at))
@@ -798,8 +800,8 @@ class Store:
             self._stamp_blocks(held, list(map(depths.__getitem__, distinct)))
         else:
             uses.append((held, list(map(depths.__getitem__, distinct))))
-        return ReadPlan(read.read_id, [b.offset for b in picked], [b.size for b in picked],
-                        [b.checksum for b in picked])
+        return ReadPlan(read.read_id, list(map(_OFFSET, picked)), list(map(_SIZE, picked)),
+                        list(map(_CHECKSUM, picked)))
 
     def _open_read(self, owner: str, blocks: list[Block]) -> Read:
         """A new read of ``blocks`` (already pinned for it) by connection ``owner``, on the books with its TTL."""

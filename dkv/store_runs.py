@@ -4,7 +4,7 @@
 (:meth:`dkv.store.Store._pin_present`): fetch each hash's block, pin the ones
 on the host tier, and write the mask, the lease's blocks and depths, and the
 same-host slot map, already packed for the wire. :func:`unpin_all` gives a
-lease's pins back. Contract, for both builds:
+lease's pins back, :func:`pin_all` takes a read's. Contract, for both builds:
 
 * ``pin_run(column, hashes, start, mask, held, depths, tally, offsets, sizes,
   sums) -> stop`` walks ``hashes[start:]`` in order, each looked up in
@@ -40,6 +40,8 @@ lease's pins back. Contract, for both builds:
   checksum or lies off the host tier, ``(-1, 0, zeros)``. Nothing changes.
 * ``unpin_all(held) -> int``: one pin less on each block listed (twice listed:
   two less); how many reached 0.
+* ``pin_all(held) -> int``: one pin more on each block listed (twice listed:
+  two more); how many went from 0 to pinned.
 * ``stamp_run(held, depths, stamp, order) -> (order, entries)``: one use of
   each block of the list ``held`` still in the store's index (its
   ``indexed``), in order: its ``stamp``, its depth (``depths[i]``, a list as
@@ -182,6 +184,16 @@ def unpin_all_python(held: list) -> int:
     return reached
 
 
+def pin_all_python(held: list) -> int:
+    """The Python twin of the native ``pin_all``."""
+    reached = 0
+    for block in held:
+        if block.pins == 0:
+            reached += 1
+        block.pins += 1
+    return reached
+
+
 def stamp_run_python(held: list, depths: list, stamp: int,
                      order: int) -> tuple[int, dict[str, list[tuple[int, int, int, Any]]]]:
     """The Python twin of the native ``stamp_run``."""
@@ -216,6 +228,7 @@ pin_run: PinRun = _native.pin_run if NATIVE else pin_run_python
 pin_run_shards: Callable[..., int] = _native.pin_run_shards if NATIVE else pin_run_shards_python
 slot_map: Callable[..., None] = _native.slot_map if NATIVE else slot_map_python
 unpin_all: Callable[[list], int] = _native.unpin_all if NATIVE else unpin_all_python
+pin_all: Callable[[list], int] = _native.pin_all if NATIVE else pin_all_python
 stamp_run: Callable[..., tuple[int, dict]] = _native.stamp_run if NATIVE else stamp_run_python
 live_entries: Callable[[list], list] = _native.live_entries if NATIVE else live_entries_python
 

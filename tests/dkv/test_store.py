@@ -228,6 +228,21 @@ def _put_summed(store: Store, ks: list[StoreKey]) -> None:
     store.commit(res.write_id, "w")
 
 
+def test_a_reads_own_pins_outlast_its_lease_and_are_counted_once_each(store: Store) -> None:
+    """The node-wide count of pinned blocks follows a read's pins through its lease's end and its own."""
+    h = chain(3)
+    put(store, keys(h))
+    _, lease = store.lookup(NS, h, ["L"], 1, owner="c")
+    assert lease is not None and store.pinned_blocks == 3
+    read = store.begin_read(lease.lease_id, "c", keys(h[:2]) + keys(h[:1]), reader="conn")  # one named twice
+    assert read.offsets == [store.blocks[k].offset for k in keys(h[:2]) + keys(h[:1])]
+    assert [store.blocks[k].pins for k in keys(h)] == [2, 2, 1] and store.pinned_blocks == 3
+    store.end_lease(lease.lease_id)
+    assert [store.blocks[k].pins for k in keys(h)] == [1, 1, 0] and store.pinned_blocks == 2
+    assert store.end_read(read.read_id) and not store.end_read(read.read_id)
+    assert all(b.pins == 0 for b in store.blocks.values()) and store.pinned_blocks == 0
+
+
 def test_a_lease_handed_to_a_read_moves_its_pins_and_lists_its_blocks_in_lookup_order(store: Store) -> None:
     h = chain(2)
     _put_summed(store, keys(h) + keys(h, leaf="M"))

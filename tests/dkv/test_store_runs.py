@@ -236,6 +236,21 @@ def test_unpin_all_checks_every_entry_before_it_changes_any() -> None:
     assert blocks[0].pins == twin[0].pins == 0
 
 
+@native
+def test_pin_all_checks_every_entry_before_it_changes_any_and_counts_the_newly_pinned() -> None:
+    blocks = list(_blocks([(0, 10, 2, True), (4096, 10, 0, True), (8192, 10, 0, True)]).values())
+    with pytest.raises(TypeError):
+        store_runs.pin_all([blocks[1], "not a block"])
+    with pytest.raises(TypeError):
+        store_runs.pin_all((blocks[1],))  # a list, nothing else
+    assert [b.pins for b in blocks] == [2, 0, 0]
+    twin = copy.deepcopy(blocks)
+    listed = [blocks[0], blocks[1], blocks[1]]  # the second twice: two pins, counted once as newly pinned
+    assert store_runs.pin_all(listed) == store_runs.pin_all_python([twin[0], twin[1], twin[1]]) == 1
+    assert [b.pins for b in blocks] == [b.pins for b in twin] == [3, 2, 0]
+    assert store_runs.unpin_all(listed) == 1 and [b.pins for b in blocks] == [2, 0, 0]
+
+
 def _stamped(blocks: dict[Any, Block]) -> list[tuple[int, int, int]]:
     return [(b.stamp, b.depth, b.order) for b in blocks.values()]
 
@@ -366,7 +381,7 @@ def test_a_store_lookup_answers_alike_on_either_twin(monkeypatch: pytest.MonkeyP
             arena.close()
 
     native_answers = lookups()
-    for name in ("pin_run", "pin_run_shards", "slot_map", "unpin_all", "stamp_run", "live_entries"):
+    for name in ("pin_run", "pin_run_shards", "slot_map", "pin_all", "unpin_all", "stamp_run", "live_entries"):
         monkeypatch.setattr(dkv_store, name, getattr(store_runs, f"{name}_python"))
     assert lookups() == native_answers
     assert any(native_answers[0][0][LEAF]) and not all(native_answers[0][0][LEAF])
