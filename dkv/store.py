@@ -830,8 +830,10 @@ class Store:
             return None
         blocks = lease.blocks
         sizes = list(map(_SIZE, blocks))
-        sums = [block.checksum for block in blocks]
-        if sum(sizes) > max_bytes or None in sums:
+        if sum(sizes) > max_bytes:  # (a large lookup's usual answer: told before a checksum is listed)
+            return None
+        sums = list(map(_CHECKSUM, blocks))
+        if None in sums:
             return None
         self._drop_lease(lease)  # (its pins stay: they are the read's now)
         read = self._open_read(reader, blocks)
@@ -840,7 +842,7 @@ class Store:
         else:  # each once, at its last place (as begin_read stamps a key the lease holds twice)
             last = dict(zip(map(id, blocks), zip(blocks, lease.depths)))
             self._stamp_blocks([b for b, _ in last.values()], [d for _, d in last.values()])
-        return ReadPlan(read.read_id, [block.offset for block in blocks], sizes, sums)
+        return ReadPlan(read.read_id, list(map(_OFFSET, blocks)), sizes, sums)
 
     def end_read(self, read_id: int) -> bool:
         """End a read and drop its pins. True when its pins were still held (the read is intact).
