@@ -151,11 +151,16 @@ class _Bytes(bytes):
     pass
 
 
-@pytest.mark.parametrize("values", [
-    [], [bytes(16)], [bytes(16)] * 256, [bytes(16), bytes(15)], [bytes(17)], [None], [bytes(16), None],
-    [bytearray(16)], [memoryview(bytes(16))], [_Bytes(bytes(16))], ["x" * 16], [bytes(16), "x" * 16], [16],
-    [bytes(8), bytes(24)], [[bytes(16)]],
-], ids=repr)
+_SUM_LISTS = {
+    "none": [], "one": [bytes(16)], "256": [bytes(16)] * 256, "one short": [bytes(16), bytes(15)],
+    "one long": [bytes(17)], "None": [None], "a None after one": [bytes(16), None], "bytearray": [bytearray(16)],
+    "memoryview": [memoryview(bytes(16))], "bytes subclass": [_Bytes(bytes(16))], "str": ["x" * 16],
+    "a str after one": [bytes(16), "x" * 16], "int": [16], "8 and 24": [bytes(8), bytes(24)],
+    "nested": [[bytes(16)]],
+}
+
+
+@pytest.mark.parametrize("values", list(_SUM_LISTS.values()), ids=list(_SUM_LISTS))
 def test_all_checksums_answers_as_is_checksum_of_each_does(values: list) -> None:
     """The C-speed check of a read's checksums agrees with the per-item one (a bytes subclass aside: refused)."""
     expected = all(is_checksum(v) and type(v) is bytes for v in values)
