@@ -695,9 +695,12 @@ fail:
     return NULL;
 }
 
-static PyObject *unpin_all(PyObject *Py_UNUSED(self), PyObject *held) {
+/* One pin more (step 1) or less (step -1) on each block of the list ``held``, every entry checked first (a block,
+ * and for a pin less, one holding a pin); how many went from unpinned to pinned, or back. ``name`` names the
+ * caller in errors. */
+static PyObject *step_pins(PyObject *held, int step, const char *name) {
     if (!PyList_Check(held)) {
-        PyErr_SetString(PyExc_TypeError, "unpin_all() takes a list of blocks");
+        PyErr_Format(PyExc_TypeError, "%s() takes a list of blocks", name);
         return NULL;
     }
     Py_ssize_t n = PyList_GET_SIZE(held), reached = 0;
@@ -707,56 +710,33 @@ static PyObject *unpin_all(PyObject *Py_UNUSED(self), PyObject *held) {
         if (!is_block(block) || field_int(block, at_pins, "pins", &pins) < 0) {
             return NULL;
         }
-        if (pins < 1) {
-            PyErr_SetString(PyExc_ValueError, "unpin_all() of a block that holds no pin");
+        if (pins < (step < 0 ? 1 : 0)) {
+            PyErr_Format(PyExc_ValueError, step < 0 ? "%s() of a block that holds no pin"
+                                                    : "%s() of a block with a negative pin count", name);
             return NULL;
         }
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *block = PyList_GET_ITEM(held, i);
         long long pins = PyLong_AsLongLong(FIELD(block, at_pins)); /* re-read: a block may be listed twice */
-        PyObject *less = PyLong_FromLongLong(pins - 1);
-        if (less == NULL) {
+        PyObject *stepped = PyLong_FromLongLong(pins + step);
+        if (stepped == NULL) {
             return NULL;
         }
-        Py_SETREF(FIELD(block, at_pins), less);
-        if (pins == 1) {
+        Py_SETREF(FIELD(block, at_pins), stepped);
+        if (pins == (step < 0 ? 1 : 0)) {
             reached++;
         }
     }
     return PyLong_FromSsize_t(reached);
 }
 
+static PyObject *unpin_all(PyObject *Py_UNUSED(self), PyObject *held) {
+    return step_pins(held, -1, "unpin_all");
+}
+
 static PyObject *pin_all(PyObject *Py_UNUSED(self), PyObject *held) {
-    if (!PyList_Check(held)) {
-        PyErr_SetString(PyExc_TypeError, "pin_all() takes a list of blocks");
-        return NULL;
-    }
-    Py_ssize_t n = PyList_GET_SIZE(held), reached = 0;
-    for (Py_ssize_t i = 0; i < n; i++) { /* check every entry before changing any */
-        long long pins;
-        PyObject *block = PyList_GET_ITEM(held, i);
-        if (!is_block(block) || field_int(block, at_pins, "pins", &pins) < 0) {
-            return NULL;
-        }
-        if (pins < 0) {
-            PyErr_SetString(PyExc_ValueError, "pin_all() of a block with a negative pin count");
-            return NULL;
-        }
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *block = PyList_GET_ITEM(held, i);
-        long long pins = PyLong_AsLongLong(FIELD(block, at_pins)); /* re-read: a block may be listed twice */
-        PyObject *more = PyLong_FromLongLong(pins + 1);
-        if (more == NULL) {
-            return NULL;
-        }
-        Py_SETREF(FIELD(block, at_pins), more);
-        if (pins == 0) {
-            reached++;
-        }
-    }
-    return PyLong_FromSsize_t(reached);
+    return step_pins(held, 1, "pin_all");
 }
 
 static PyMethodDef methods[] = {
