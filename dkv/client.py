@@ -1983,9 +1983,11 @@ def _run_wire_keys(runs: Sequence[RowRun]) -> list[list[Any]]:
 def _run_places(runs: Sequence[RowRun], looked_up: Sequence[bytes], shards: int) -> list[list[Any]] | None:
     """:func:`_places` of ``runs``' blocks, without a key list where each run is a stretch of the lookup's hashes.
 
-    A load's usual shape (its hashes a stretch of its lookup's, one shard) is
-    one place run a row run, found with C-speed passes over the hashes;
-    anything else goes the way of :func:`_places` (the same answer).
+    In a load's usual shape (one shard, each row run's hashes a stretch of
+    its lookup's) each row run is one place run, found with one ``index`` and
+    one slice compare; any other shape goes the way of :func:`_places`. Where
+    the lookup named a hash twice, this may name another of its places than
+    :func:`_places` does: with one shard the node holds it at each.
     """
     if shards == 1:
         places: list[list[Any]] = []
