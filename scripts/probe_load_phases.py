@@ -44,8 +44,13 @@ lookup's answer (the connector's ``lookup_payload_bytes``) shows their
 receipt (``NodeClient._receive_sent``, inside ``NodeClient.lookup``) and the
 copy on the calling thread (``LeaseSlots.rows_copy``) instead of a read.
 Where the connector reads over a direct channel (``direct_reads``: UCX has no
-RDMA here), the read is ``NodeClient.read_rows_direct`` on a copy thread
-instead of the loop's.
+RDMA here), the read is ``NodeClient.read_rows_direct`` on a read thread
+instead of the loop's, and the probe also prints that read's timeline, per
+load, from ``load_lookup``'s return on the calling thread to the load seen
+complete there: the hand-off to the read thread (to its
+``DirectChannel.exchange_into_rows``), the request sent and the node's answer
+read (``_receive_frame``), the answer judged (until ``_recv_rows`` begins),
+the blocks received into the rows (``_recv_rows``) and the completion seen.
 
 ``memcpy / copy+checksum`` is the highest ``load / memcpy`` ratio a checked
 load could reach if everything but its copy cost nothing.
@@ -56,12 +61,14 @@ Usage: probe_load_phases.py [--blocks 256] [--block-size 64KiB] [--rounds 30] [-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
 import statistics
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,6 +78,53 @@ LEAF = "a"
 PAGE = 4096
 TIMEOUT = 30.0
 WARMUP = 3
+
+
+DIRECT_READ_STEPS = ("to the read thread", "request and the node's answer", "the answer judged",
+                     "the blocks received", "completion seen")
+
+
+@contextlib.contextmanager
+def timed_direct_read(module: Any, stamps: dict[str, float]) -> Iterator[None]:
+    """Stamp the steps of each direct read (``module`` is :mod:`dkv.direct_channel`) into ``stamps``.
+
+    ``entered``: its ``exchange_into_rows`` began; ``answer``: the node's
+    answer was read; ``rows``: the blocks' receive began; ``received``: it
+    ended. Only the reading thread's calls count (a lookup's exchange on
+    another thread reads frames too).
+    """
+    channel = module.DirectChannel
+    originals = (channel.exchange_into_rows, module._receive_frame, module._recv_rows)
+    reader: list[int] = [0]
+
+    def exchange_into_rows(self: Any, *a: Any, **k: Any) -> Any:
+        stamps.clear()
+        reader[0] = threading.get_ident()
+        stamps["entered"] = time.perf_counter()
+        return originals[0](self, *a, **k)
+
+    def receive_frame(*a: Any, **k: Any) -> Any:
+        try:
+            return originals[1](*a, **k)
+        finally:
+            if threading.get_ident() == reader[0] and "entered" in stamps:
+                stamps["answer"] = time.perf_counter()
+
+    def recv_rows(*a: Any, **k: Any) -> Any:
+        stamps["rows"] = time.perf_counter()
+        try:
+            return originals[2](*a, **k)
+        finally:
+            stamps["received"] = time.perf_counter()
+
+    channel.exchange_into_rows = exchange_into_rows
+    module._receive_frame = receive_frame
+    if originals[2] is not None:  # (not built: no read goes over a direct channel)
+        module._recv_rows = recv_rows
+    try:
+        yield
+    finally:
+        channel.exchange_into_rows, module._receive_frame, module._recv_rows = originals
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     from connector.types import full_attention
     from connector import worker_side
     from connector.worker_side import WorkerSide
+    from dkv import direct_channel
     from dkv.checksum import block_checksum
     from dkv.errors import ConfigError
     from dkv.gil import parse_switch_interval
@@ -216,8 +271,12 @@ def main(argv: list[str] | None = None) -> int:
             if not np.array_equal(row_bytes, expected_bytes):
                 raise SystemExit("the loaded rows are not the offloaded bytes")
 
+        direct_read: dict[str, list[float]] = {name: [] for name in DIRECT_READ_STEPS}
+        read_stamps: dict[str, float] = {}  # the latest direct read's, on its read thread (see timed_direct_read)
+
         def dkv_load() -> None:
             row_bytes.fill(0)
+            read_stamps.clear()
             t0 = time.perf_counter()
             handle = conn.start_lookup(hashes)
             wait_done(handle, "start_lookup")
@@ -232,6 +291,11 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit("the loaded rows are not the offloaded bytes")
             for name, seconds in zip(list(phases)[:4], (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
                 phases[name].append(seconds)
+            if len(read_stamps) == 4:  # (a load read over a direct channel)
+                marks = (t2, read_stamps["entered"], read_stamps["answer"], read_stamps["rows"],
+                         read_stamps["received"], t3)
+                for name, begin, end in zip(DIRECT_READ_STEPS, marks, marks[1:]):
+                    direct_read[name].append(end - begin)
 
         contenders: list[tuple[str, Callable[[], Any]]] = [
             ("dkv", dkv_load), ("memcpy", lambda: limits["memcpy"].append(memcpy())),
@@ -240,10 +304,10 @@ def main(argv: list[str] | None = None) -> int:
             contenders.append(("dkv through the loop", dkv_load_through_the_loop))
         if args.busy_caller:
             contenders.append(("dkv, the caller busy", dkv_load_busy_caller))
-        with timed_methods(wrapped, inside):
+        with timed_methods(wrapped, inside), timed_direct_read(direct_channel, read_stamps):
             for round_no in range(WARMUP + args.rounds):
                 if round_no == WARMUP:
-                    for samples in (*phases.values(), *limits.values(), *inside.values()):
+                    for samples in (*phases.values(), *limits.values(), *inside.values(), *direct_read.values()):
                         samples.clear()
                 shift = round_no % len(contenders)
                 for _, run in contenders[shift:] + contenders[:shift]:
@@ -263,6 +327,10 @@ def main(argv: list[str] | None = None) -> int:
         print("  inside (the loop thread, the copy threads; read_here, rows_copy: on the calling thread):")
         for label, samples in ((label, samples) for label, samples in inside.items() if samples):
             print(f"    {label:34s} {p50_ms(samples):8.3f}   ({len(samples)} calls)")
+        if direct_read[DIRECT_READ_STEPS[0]]:
+            print(f"  the direct read, from load_lookup's return ({len(direct_read[DIRECT_READ_STEPS[0]])} loads):")
+            for name, samples in direct_read.items():
+                print(f"    {name:34s} {p50_ms(samples):8.3f}")
         whole = p50_ms(phases["whole load"])
         print(f"  load / memcpy {memcpy_ms / whole:.2f}; at most {memcpy_ms / p50_ms(limits['copy+checksum']):.2f} "
               "for a checked copy that costs nothing else")

@@ -58,6 +58,23 @@ def test_the_load_phase_probe_can_leave_cpythons_switch_interval_for_the_before_
         assert re.search(rf"^\s+{re.escape(name)}\s+[0-9.]+", proc.stdout, re.M), (name, proc.stdout)
 
 
+@pytest.mark.timeout(120)
+def test_the_load_phase_probe_prints_a_listener_direct_reads_timeline() -> None:
+    # 32 x 16 KiB: more than a lookup's answer brings (256 KiB), so the load is read over a direct channel
+    # (UCX has no RDMA here) on a read thread, and each step of that read is timed
+    proc = run_script(SCRIPT, "--listener", "--blocks", "32", "--block-size", "16KiB", "--rounds", "2", timeout=110)
+    assert proc.returncode == 0, outcome(proc)
+    assert "listener load of 32 x 16.0 KiB" in proc.stdout, proc.stdout
+    heading = re.search(r"^\s+the direct read, from load_lookup's return \((\d+) loads\):$", proc.stdout, re.M)
+    assert heading is not None and int(heading.group(1)) >= 1, proc.stdout
+    for step in ("to the read thread", "request and the node's answer", "the answer judged", "the blocks received",
+                 "completion seen"):
+        line = re.search(rf"^\s+{re.escape(step)}\s+([0-9.]+)$", proc.stdout, re.M)
+        assert line is not None, (step, proc.stdout)
+    line = re.search(r"^\s+NodeClient.read_rows_direct\s+([0-9.]+)\s+\((\d+) calls\)$", proc.stdout, re.M)
+    assert line is not None and int(line.group(2)) >= 1, proc.stdout
+
+
 def test_the_load_phase_probe_refuses_a_garbled_switch_interval() -> None:
     proc = run_script(SCRIPT, "--gil-switch-interval", "fast", timeout=60)
     assert proc.returncode == 2 and "--gil-switch-interval='fast'" in proc.stderr
